@@ -1,0 +1,267 @@
+"""Routing policy: which pool serves a request, with which K, and why.
+
+Pools: "plain" (PlainDecoder replicas), "colocated" (draft and target in one
+replica) and "separate" (the router runs Draft.propose -> Target.verify, two
+Ray hops per step). The policy is a pure function `route(ctx)`; the router
+deployment builds the `RoutingContext` from the request, its pool counters,
+the cost models and the acceptance tracker.
+
+Rules, in order:
+1. Explicit request fields win: mode "plain" or k = 0 -> plain pool; mode
+   "speculative", k > 0 or a topology -> speculation, K from the request or the
+   cost model's best K >= 1. Inconsistent or out-of-range fields raise
+   `RoutingError` (a ValueError: HTTP 400 at the edge).
+2. auto, objective "throughput" (bulk traffic) -> plain pool: speculation
+   spends compute that a wider plain batch turns into throughput.
+3. auto, latency: for each spec topology with replicas, evaluate the cost
+   model's best K at the batch the request would join (the pool's active +
+   queued + 1 sequences spread over its replicas); speculate in the fastest
+   pool with room if its predicted speedup > 1 + margin and the request is not
+   prefill heavy, else plain.
+
+Every decision carries a regime label (`classify_regime`) that says why
+speculation does or does not pay for this request, in the vocabulary of
+DESIGN.md section 1 and Leviathan et al. 2023 (arXiv 2211.17192): acceptance
+rate a, cost ratio c, Corollary 3.9 (a speedup needs a > c).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from specdec_core.acceptance import TrafficClass
+from specdec_core.costmodel import CostModel, KChoice
+
+MODES = ("auto", "speculative", "plain")
+OBJECTIVES = ("latency", "throughput")
+SPEC_TOPOLOGIES = ("colocated", "separate")
+PLAIN_POOL = "plain"
+REGIMES = (
+    "favorable",
+    "high_entropy",
+    "expensive_draft",
+    "domain_mismatch",
+    "large_batch",
+    "orchestration_overhead",
+    "long_context",
+    "prefill_heavy",
+    "unknown",
+)
+
+
+class RoutingError(ValueError):
+    """The request's explicit routing fields are invalid or cannot be served."""
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    prompt_tokens: int = 0
+    mode: str = "auto"
+    k: int | None = None
+    topology: str | None = None
+    objective: str = "latency"
+    traffic_class: TrafficClass | None = None
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    active: int = 0  # sequences decoding in the pool
+    queued: int = 0  # sequences routed but not yet decoding
+    replicas: int = 1
+    capacity: int = 64  # sequences one replica decodes at once
+
+    def has_room(self) -> bool:
+        return self.active + self.queued < self.replicas * self.capacity
+
+    def joined_batch(self) -> int:
+        """Per-replica batch once this request (and the queue) joins."""
+        return math.ceil((self.active + self.queued + 1) / max(self.replicas, 1))
+
+
+@dataclass(frozen=True)
+class RoutingThresholds:
+    margin: float = 0.05  # speculate only above 1 + margin predicted speedup
+    high_temperature: float = 0.7
+    low_acceptance: float = 0.5
+    min_evidence: float = 50.0  # judged tokens before a low a is blamed on the traffic
+    expensive_cost_ratio: float = 0.5
+    min_decode_tokens: int = 16
+    prefill_ratio: float = 8.0  # prompt_tokens > prefill_ratio * max_tokens: prefill heavy
+    long_context_fraction: float = 0.5  # of the context limit
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    features: RequestFeatures
+    loads: Mapping[str, PoolLoad]  # by pool: "plain", "colocated", "separate"
+    cost_models: Mapping[str, CostModel]  # by spec topology
+    acceptance: float  # estimate of a for the request's traffic class
+    evidence: float = 0.0  # judged tokens behind it (AcceptanceTracker.evidence)
+    context_limit: int = 2048
+    k_max: int = 8
+    thresholds: RoutingThresholds = field(default_factory=RoutingThresholds)
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    pool: str
+    topology: str | None  # None for the plain pool
+    k: int
+    regime: str
+    predicted_speedup: float  # over plain decoding at the batch the request joins
+    reason: str
+
+
+@dataclass(frozen=True)
+class RegimeEvidence:
+    """What `classify_regime` looks at; speedups are the best K's, at the batch the request joins."""
+
+    temperature: float
+    prompt_tokens: int
+    max_tokens: int
+    context_limit: int
+    acceptance: float
+    evidence: float
+    cost_ratio: float
+    speedup: float
+    speedup_batch1: float  # same pool, batch 1
+    speedup_no_hop: float  # same pool and batch, hop overhead removed
+
+
+def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
+    """Why speculation does or does not pay; first matching row wins.
+
+    | regime                 | condition                                                   |
+    |------------------------|-------------------------------------------------------------|
+    | prefill_heavy          | max_tokens < min_decode_tokens or prompt > ratio*max_tokens |
+    | favorable              | speedup > 1 + margin                                        |
+    | orchestration_overhead | would pay without the topology's hops                       |
+    | large_batch            | would pay at batch 1, not at this batch                     |
+    | high_entropy           | a < low_acceptance, temperature > high_temperature          |
+    | domain_mismatch        | a < low_acceptance at low temperature: draft disagrees      |
+    | expensive_draft        | c >= a (Corollary 3.9) or c >= expensive_cost_ratio         |
+    | long_context           | prompt >= long_context_fraction of the context limit        |
+    | unknown                | none of the above                                           |
+
+    The two low-acceptance rows need `min_evidence` judged tokens, so a prior is
+    never reported as a property of the traffic.
+    """
+    pays = 1.0 + th.margin
+    low_a = ev.acceptance < th.low_acceptance and ev.evidence >= th.min_evidence
+    if ev.max_tokens < th.min_decode_tokens or ev.prompt_tokens > th.prefill_ratio * ev.max_tokens:
+        return "prefill_heavy"
+    if ev.speedup > pays:
+        return "favorable"
+    if ev.speedup_no_hop > pays:
+        return "orchestration_overhead"
+    if ev.speedup_batch1 > pays:
+        return "large_batch"
+    if low_a:
+        return "high_entropy" if ev.temperature > th.high_temperature else "domain_mismatch"
+    if ev.cost_ratio >= ev.acceptance or ev.cost_ratio >= th.expensive_cost_ratio:
+        return "expensive_draft"
+    if ev.prompt_tokens >= th.long_context_fraction * ev.context_limit:
+        return "long_context"
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class _Option:
+    topology: str
+    batch: int
+    choice: KChoice
+
+
+def _spec_options(ctx: RoutingContext) -> list[_Option]:
+    """Best K per available spec topology, at the batch the request would join."""
+    options = []
+    for t in SPEC_TOPOLOGIES:
+        load = ctx.loads.get(t)
+        if t in ctx.cost_models and load is not None and load.replicas > 0:
+            b = load.joined_batch()
+            options.append(_Option(t, b, ctx.cost_models[t].best_k(b, ctx.acceptance, ctx.k_max, t)))
+    return options
+
+
+def _regime(ctx: RoutingContext, best: _Option | None) -> str:
+    if best is None:
+        return "unknown"
+    f, cm, a = ctx.features, ctx.cost_models[best.topology], ctx.acceptance
+    no_hop = CostModel(replace(cm.costs, hop_overhead_s={best.topology: 0.0}))
+    ev = RegimeEvidence(
+        temperature=f.temperature,
+        prompt_tokens=f.prompt_tokens,
+        max_tokens=f.max_tokens,
+        context_limit=ctx.context_limit,
+        acceptance=a,
+        evidence=ctx.evidence,
+        cost_ratio=cm.cost_ratio(best.batch),
+        speedup=best.choice.predicted_speedup,
+        speedup_batch1=cm.best_k(1, a, ctx.k_max, best.topology).predicted_speedup,
+        speedup_no_hop=no_hop.best_k(best.batch, a, ctx.k_max, best.topology).predicted_speedup,
+    )
+    return classify_regime(ev, ctx.thresholds)
+
+
+def _validate(ctx: RoutingContext) -> None:
+    f = ctx.features
+    if f.mode not in MODES or f.objective not in OBJECTIVES:
+        raise RoutingError(f"mode must be one of {MODES}, objective one of {OBJECTIVES}")
+    if f.k is not None and not 0 <= f.k <= ctx.k_max:
+        raise RoutingError(f"k must be in [0, {ctx.k_max}], got {f.k}")
+    if f.topology is not None and f.topology not in SPEC_TOPOLOGIES:
+        raise RoutingError(f"topology must be one of {SPEC_TOPOLOGIES}, got {f.topology!r}")
+    if f.mode == "plain" and (f.k or f.topology):
+        raise RoutingError("mode 'plain' conflicts with a speculative k or topology")
+    if f.k == 0 and (f.mode == "speculative" or f.topology):
+        raise RoutingError("k = 0 means plain decoding; it conflicts with speculation")
+    if f.prompt_tokens + f.max_tokens > ctx.context_limit:
+        raise RoutingError(f"prompt + max_tokens exceeds the context limit {ctx.context_limit}")
+
+
+def _plain(regime: str, reason: str) -> RoutingDecision:
+    return RoutingDecision(PLAIN_POOL, None, 0, regime, 1.0, reason)
+
+
+def _explicit_spec(ctx: RoutingContext, options: list[_Option], regime: str) -> RoutingDecision:
+    f = ctx.features
+    chosen = [o for o in options if f.topology in (None, o.topology)]
+    if not chosen:
+        raise RoutingError(f"no replicas for speculative topology {f.topology or SPEC_TOPOLOGIES}")
+    opt = max(chosen, key=lambda o: o.choice.predicted_speedup)
+    cm = ctx.cost_models[opt.topology]
+    k = f.k or cm.best_k(opt.batch, ctx.acceptance, ctx.k_max, opt.topology, allow_plain=False).k
+    speedup = cm.plain_time_per_token(opt.batch) / cm.spec_time_per_token(opt.batch, k, ctx.acceptance, opt.topology)
+    return RoutingDecision(opt.topology, opt.topology, k, regime, speedup, "speculation requested")
+
+
+def route(ctx: RoutingContext) -> RoutingDecision:
+    _validate(ctx)
+    f, th = ctx.features, ctx.thresholds
+    options = _spec_options(ctx)
+    best = max(options, key=lambda o: o.choice.predicted_speedup, default=None)
+    regime = _regime(ctx, best)
+    if f.mode == "plain" or f.k == 0:
+        return _plain(regime, "plain requested")
+    if f.mode == "speculative" or f.k or f.topology:
+        return _explicit_spec(ctx, options, regime)
+    if f.objective == "throughput":
+        return _plain(regime, "throughput objective: plain batches wider")
+    if best is None:
+        return _plain(regime, "no speculative pool available")
+    if regime == "prefill_heavy":
+        return _plain(regime, "too few decode steps to amortise the draft")
+    paying = [o for o in options if o.choice.k > 0 and o.choice.predicted_speedup > 1.0 + th.margin]
+    if not paying:
+        return _plain(regime, f"predicted speedup {best.choice.predicted_speedup:.2f} <= {1.0 + th.margin:.2f}")
+    with_room = [o for o in paying if ctx.loads[o.topology].has_room()]
+    if not with_room:
+        return _plain(regime, "speculative pools full")
+    opt = max(with_room, key=lambda o: o.choice.predicted_speedup)
+    reason = f"K={opt.choice.k} at batch {opt.batch}, a={ctx.acceptance:.2f}"
+    return RoutingDecision(opt.topology, opt.topology, opt.choice.k, regime, opt.choice.predicted_speedup, reason)

@@ -1,0 +1,36 @@
+"""specdec_core: the speculative decoding engine, pure PyTorch + transformers, no Ray and no I/O
+beyond loading checkpoints.
+
+Vocabulary (Leviathan et al. 2023, arXiv 2211.17192, Algorithm 1): p is the target's distribution,
+q the draft's; a verify pass keeps the *accepted* draft tokens and adds one *recovered* token (at the
+first rejection) or one *bonus* token (when all K were accepted).
+"""
+
+from specdec_core.async_engine import AsyncEngine
+from specdec_core.engine import Engine, RequestOutput, SamplingParams, StepTiming, check_same_tokenizer
+from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest
+from specdec_core.runner import ModelRunner
+from specdec_core.sampling import process_logits, rejection_sample, sample_categorical
+from specdec_core.stats import RequestStats
+from specdec_core.verifier import Verifier, VerifyItem, VerifyResult
+
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "RequestOutput",
+    "SamplingParams",
+    "StepTiming",
+    "check_same_tokenizer",
+    "DraftModelProposer",
+    "NgramProposer",
+    "Proposal",
+    "ProposalRequest",
+    "ModelRunner",
+    "process_logits",
+    "rejection_sample",
+    "sample_categorical",
+    "RequestStats",
+    "Verifier",
+    "VerifyItem",
+    "VerifyResult",
+]

@@ -1,0 +1,174 @@
+"""Online acceptance statistics per traffic class.
+
+The cost model (Leviathan et al. 2023, arXiv 2211.17192, Theorem 3.8) needs the
+per-token acceptance rate a of a draft against the target; a depends on the
+traffic (temperature, domain), so it is estimated per `TrafficClass`.
+
+Estimator. One speculative step proposes K tokens and accepts n of them; the
+first rejection ends the step, so positions after it are never judged. Under
+the model's assumption that each judged token is accepted with probability a,
+the step's likelihood is a^n (1 - a) if n < K (n accepts, then one rejection)
+and a^K if n = K. Summing over steps, the maximum-likelihood estimate is
+
+    a_hat = sum(accepted) / sum(judged),  judged = n + 1 if n < K else K.
+
+The naive sum(accepted) / sum(proposed) is biased low: it counts the unjudged
+positions after a rejection as rejections (a = 0.8, K = 8 gives ~0.42 instead
+of 0.8). If the sampler judges every position (some do, even after a
+rejection), pass its decisions as `per_position` and all of them are counted.
+
+Prior and decay. a_hat is the mean of a Beta posterior with a prior of
+`prior_weight` pseudo-tokens at `prior_mean` (per draft, e.g. from the model
+card), so a new class starts at the prior and moves as evidence arrives.
+Observed counts decay by half every `half_life_tokens` judged tokens of the
+class, so a traffic shift is noticed within a few half-lives; `evidence` is the
+decayed judged count. Per-position counts (same decay) show whether acceptance
+falls with depth, which caps useful K.
+
+Not thread-safe: one owner (the router or an engine loop) updates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+TEMPERATURE_BUCKETS = ("greedy", "low", "mid", "high")  # 0, (0, 0.5], (0.5, 1.0], > 1.0
+
+
+def temperature_bucket(temperature: float) -> str:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return "greedy"
+    if temperature <= 0.5:
+        return "low"
+    return "mid" if temperature <= 1.0 else "high"
+
+
+@dataclass(frozen=True)
+class TrafficClass:
+    draft: str
+    temperature_bucket: str
+    domain: str = "default"
+
+    @classmethod
+    def of(cls, draft: str, temperature: float, domain: str = "default") -> "TrafficClass":
+        return cls(draft, temperature_bucket(temperature), domain)
+
+    def key(self) -> str:
+        return f"{self.draft}/{self.temperature_bucket}/{self.domain}"
+
+
+@dataclass
+class _ClassStats:
+    accepted: float = 0.0  # decayed accepted tokens
+    judged: float = 0.0  # decayed judged positions
+    steps: int = 0  # raw count, for display
+    pos_accepted: list[float] = field(default_factory=list)
+    pos_judged: list[float] = field(default_factory=list)
+
+    def decay(self, factor: float) -> None:
+        self.accepted *= factor
+        self.judged *= factor
+        self.pos_accepted = [x * factor for x in self.pos_accepted]
+        self.pos_judged = [x * factor for x in self.pos_judged]
+
+    def add(self, decisions: Sequence[bool]) -> None:
+        grow = len(decisions) - len(self.pos_judged)
+        if grow > 0:
+            self.pos_accepted += [0.0] * grow
+            self.pos_judged += [0.0] * grow
+        for i, ok in enumerate(decisions):
+            self.pos_judged[i] += 1.0
+            self.pos_accepted[i] += float(ok)
+        self.accepted += sum(decisions)
+        self.judged += len(decisions)
+        self.steps += 1
+
+
+def judged_positions(proposed: int, accepted: int) -> list[bool]:
+    """Decisions a first-rejection-ends-the-step sampler made: n accepts, then a rejection if n < K."""
+    if not 0 <= accepted <= proposed:
+        raise ValueError(f"need 0 <= accepted <= proposed, got {accepted}, {proposed}")
+    return [True] * accepted + ([False] if accepted < proposed else [])
+
+
+class AcceptanceTracker:
+    def __init__(
+        self,
+        prior_mean: float = 0.6,
+        prior_weight: float = 20.0,
+        half_life_tokens: float = 2000.0,
+        draft_prior_means: Mapping[str, float] | None = None,
+    ) -> None:
+        if not 0.0 < prior_mean < 1.0 or prior_weight <= 0 or half_life_tokens <= 0:
+            raise ValueError("need 0 < prior_mean < 1, prior_weight > 0, half_life_tokens > 0")
+        self.prior_mean = prior_mean
+        self.prior_weight = prior_weight
+        self.half_life_tokens = half_life_tokens
+        self.draft_prior_means = dict(draft_prior_means or {})
+        self._stats: dict[TrafficClass, _ClassStats] = {}
+
+    def observe(
+        self, cls: TrafficClass, proposed: int, accepted: int, per_position: Sequence[bool] | None = None
+    ) -> None:
+        """Record one step of one request. K = 0 steps judge nothing and are ignored."""
+        decisions = judged_positions(proposed, accepted) if per_position is None else list(per_position)
+        if per_position is not None and not _consistent(decisions, proposed, accepted):
+            raise ValueError(f"per_position {decisions} disagrees with proposed={proposed}, accepted={accepted}")
+        if not decisions:
+            return
+        stats = self._stats.setdefault(cls, _ClassStats())
+        stats.decay(0.5 ** (len(decisions) / self.half_life_tokens))
+        stats.add(decisions)
+
+    def prior(self, cls: TrafficClass) -> float:
+        return self.draft_prior_means.get(cls.draft, self.prior_mean)
+
+    def estimate(self, cls: TrafficClass) -> float:
+        """Posterior mean of a: (prior pseudo-accepts + accepted) / (prior weight + judged)."""
+        stats = self._stats.get(cls, _ClassStats())
+        return (self.prior(cls) * self.prior_weight + stats.accepted) / (self.prior_weight + stats.judged)
+
+    def evidence(self, cls: TrafficClass) -> float:
+        """Effective number of judged tokens behind the estimate (decayed; prior excluded)."""
+        stats = self._stats.get(cls)
+        return stats.judged if stats else 0.0
+
+    def position_rates(self, cls: TrafficClass) -> list[float]:
+        """Acceptance rate at each draft position, shrunk to the class estimate like `estimate`."""
+        stats = self._stats.get(cls)
+        if stats is None:
+            return []
+        a = self.estimate(cls)
+        w = self.prior_weight
+        return [(a * w + acc) / (w + n) for acc, n in zip(stats.pos_accepted, stats.pos_judged)]
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready view for the /v1/regimes endpoint."""
+        return {
+            "prior_mean": self.prior_mean,
+            "prior_weight": self.prior_weight,
+            "half_life_tokens": self.half_life_tokens,
+            "draft_prior_means": dict(self.draft_prior_means),
+            "classes": [
+                {
+                    "draft": cls.draft,
+                    "temperature_bucket": cls.temperature_bucket,
+                    "domain": cls.domain,
+                    "acceptance": self.estimate(cls),
+                    "evidence": stats.judged,
+                    "steps": stats.steps,
+                    "per_position": self.position_rates(cls),
+                }
+                for cls, stats in sorted(self._stats.items(), key=lambda kv: kv[0].key())
+            ],
+        }
+
+
+def _consistent(decisions: Sequence[bool], proposed: int, accepted: int) -> bool:
+    """The first `accepted` decisions are accepts and the next (if any) a rejection."""
+    if not accepted + (accepted < proposed) <= len(decisions) <= proposed:
+        return False
+    return all(decisions[:accepted]) and (accepted == proposed or not decisions[accepted])

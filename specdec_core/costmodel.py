@@ -1,0 +1,326 @@
+"""Cost model: when does speculation pay, and with which K.
+
+Vocabulary (Leviathan et al. 2023, arXiv 2211.17192):
+- a: per-token acceptance rate of draft tokens by the target.
+- K: number of speculative tokens the draft proposes per step.
+- E_K(a) = (1 - a^(K+1)) / (1 - a): expected tokens emitted per target pass,
+  counting the one recovered (after a rejection) or bonus (all K accepted) token.
+- c: cost ratio t_D / t_T of one draft forward to one target forward.
+- Theorem 3.8: speedup = E_K(a) / (K c + 1), assuming a K+1-token verify costs
+  one plain step. Corollary 3.9: some K gives a speedup iff a > c.
+
+The serving model drops Theorem 3.8's assumption and uses measured costs:
+    plain:        t_T(b, 1) per token
+    speculative:  (K t_D(b) + t_T(b, K+1) + h_topology) / E_K(a) per token
+where b is the batch the request runs in and h the per-step hop overhead of the
+topology ("colocated": draft and target in one process; "separate": two Ray
+handle calls per step). A K+1-token verify is ~1.5x a plain step at batch 1 and
+3-4x at batch 32-128 on CPU (DESIGN.md section 4), which is what makes
+speculation lose at large batch.
+
+Costs come either from timing the models (`calibrate`) or, for hardware we do
+not have, from a roofline (`roofline_costs`); both give a `StepCosts` that the
+same `CostModel` answers from. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+TOPOLOGIES = ("colocated", "separate")
+
+# Median Ray Serve handle call, replica to replica, measured on the CPU machine
+# (DESIGN.md section 4: 7-11 ms). The separate topology pays two per step
+# (Draft.propose, Target.verify).
+RAY_HOP_S = 8e-3
+DEFAULT_HOP_OVERHEAD_S: Mapping[str, float] = {"colocated": 0.0, "separate": 2 * RAY_HOP_S}
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_QS = (1, 2, 3, 5, 9)  # K+1 for K in {0, 1, 2, 4, 8}
+
+
+def expected_tokens_per_step(a: float, k: int) -> float:
+    """E_K(a) = (1 - a^(K+1)) / (1 - a), tokens per target pass (bonus/recovered included)."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"acceptance rate must be in [0, 1], got {a}")
+    if k < 0:
+        raise ValueError(f"K must be >= 0, got {k}")
+    if a == 1.0:
+        return float(k + 1)  # limit of the geometric sum
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def leviathan_speedup(a: float, c: float, k: int) -> float:
+    """Theorem 3.8: E_K(a) / (K c + 1); verify assumed to cost one plain step."""
+    return expected_tokens_per_step(a, k) / (k * c + 1.0)
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear in x; linear extrapolation from the last two points above
+    the grid, flat below it (a forward does not get cheaper than the smallest
+    measured shape)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_right(xs, x), len(xs) - 1)  # segment [i-1, i]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per forward on a (batch, new tokens per row) grid.
+
+    target_s[i][j]: target forward at batch batches[i] with qs[j] new tokens per row.
+    draft_s[i]: draft forward at batch batches[i], one new token (zeros for a
+    model-free proposer such as n-gram lookup).
+    hop_overhead_s: extra seconds per speculative step, by topology.
+    """
+
+    batches: tuple[int, ...]
+    qs: tuple[int, ...]
+    target_s: tuple[tuple[float, ...], ...]
+    draft_s: tuple[float, ...]
+    hop_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_HOP_OVERHEAD_S), hash=False)
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        if list(self.batches) != sorted(set(self.batches)) or list(self.qs) != sorted(set(self.qs)):
+            raise ValueError("batches and qs must be strictly increasing")
+        if len(self.target_s) != len(self.batches) or any(len(r) != len(self.qs) for r in self.target_s):
+            raise ValueError("target_s must be len(batches) x len(qs)")
+        if len(self.draft_s) != len(self.batches):
+            raise ValueError("draft_s must have one entry per batch")
+
+    def target_time(self, batch: float, q: int) -> float:
+        """t_T(b, q): interpolate along q in each grid row, then along batch."""
+        per_batch = [_interp(self.qs, row, q) for row in self.target_s]
+        return _interp(self.batches, per_batch, batch)
+
+    def draft_time(self, batch: float) -> float:
+        """t_D(b): one draft forward, one new token per row."""
+        return _interp(self.batches, self.draft_s, batch)
+
+    def hop(self, topology: str) -> float:
+        if topology not in self.hop_overhead_s:
+            raise ValueError(f"no hop overhead for topology {topology!r}")
+        return self.hop_overhead_s[topology]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batches": list(self.batches),
+            "qs": list(self.qs),
+            "target_s": [list(r) for r in self.target_s],
+            "draft_s": list(self.draft_s),
+            "hop_overhead_s": dict(self.hop_overhead_s),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StepCosts":
+        return cls(
+            batches=tuple(int(b) for b in d["batches"]),
+            qs=tuple(int(q) for q in d["qs"]),
+            target_s=tuple(tuple(float(t) for t in r) for r in d["target_s"]),
+            draft_s=tuple(float(t) for t in d["draft_s"]),
+            hop_overhead_s={k: float(v) for k, v in d.get("hop_overhead_s", DEFAULT_HOP_OVERHEAD_S).items()},
+            source=str(d.get("source", "measured")),
+        )
+
+
+@dataclass(frozen=True)
+class KChoice:
+    """k = 0 means plain decoding beats every K >= 1 at this batch and acceptance."""
+
+    k: int
+    time_per_token_s: float
+    predicted_speedup: float  # plain time per token / this choice's time per token
+
+
+@dataclass(frozen=True)
+class CostModel:
+    costs: StepCosts
+
+    def plain_time_per_token(self, batch: float) -> float:
+        return self.costs.target_time(batch, 1)
+
+    def spec_step_time(self, batch: float, k: int, topology: str = "colocated") -> float:
+        """One speculative step: K draft forwards, one K+1-token verify, the hops."""
+        return k * self.costs.draft_time(batch) + self.costs.target_time(batch, k + 1) + self.costs.hop(topology)
+
+    def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
+        if k == 0:
+            return self.plain_time_per_token(batch)
+        return self.spec_step_time(batch, k, topology) / expected_tokens_per_step(a, k)
+
+    def best_k(
+        self, batch: float, a: float, k_max: int = 8, topology: str = "colocated", allow_plain: bool = True
+    ) -> KChoice:
+        """K minimising time per token; ties go to the smaller K. With allow_plain,
+        K=0 is returned when no K >= 1 beats plain decoding."""
+        plain = self.plain_time_per_token(batch)
+        candidates = ([0] if allow_plain else []) + list(range(1, k_max + 1))
+        if not candidates:
+            raise ValueError("k_max must be >= 1 when plain is not allowed")
+        times = {k: self.spec_time_per_token(batch, k, a, topology) for k in candidates}
+        k = min(candidates, key=lambda j: (times[j], j))
+        return KChoice(k=k, time_per_token_s=times[k], predicted_speedup=plain / times[k])
+
+    def break_even_batch(self, a: float, k: int, topology: str = "colocated") -> int | None:
+        """Smallest integer batch in the grid range where K-token speculation no
+        longer beats plain; None if it wins across the whole range."""
+        lo, hi = self.costs.batches[0], self.costs.batches[-1]
+        for b in range(lo, hi + 1):
+            if self.spec_time_per_token(b, k, a, topology) >= self.plain_time_per_token(b):
+                return b
+        return None
+
+    def cost_ratio(self, batch: float) -> float:
+        """c(b) = t_D(b) / t_T(b, 1)."""
+        return self.costs.draft_time(batch) / self.plain_time_per_token(batch)
+
+
+def calibrate(
+    time_target: Callable[[int, int], float],
+    time_draft: Callable[[int], float] | None,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    qs: Sequence[int] = DEFAULT_QS,
+    hop_overhead_s: Mapping[str, float] = DEFAULT_HOP_OVERHEAD_S,
+) -> StepCosts:
+    """Time every grid point with the given functions (e.g. `runner.time_step`,
+    median seconds per forward). time_draft None: a model-free proposer, ~0 s."""
+    return StepCosts(
+        batches=tuple(batches),
+        qs=tuple(qs),
+        target_s=tuple(tuple(float(time_target(b, q)) for q in qs) for b in batches),
+        draft_s=tuple(float(time_draft(b)) if time_draft else 0.0 for b in batches),
+        hop_overhead_s=dict(hop_overhead_s),
+    )
+
+
+# ---- Roofline: step times for hardware we do not have ----
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Achievable (not nominal) rates; per_step_overhead_s is launch/framework time per forward."""
+
+    name: str
+    mem_bandwidth_Bps: float
+    flops: float
+    per_step_overhead_s: float = 1e-3
+
+
+# H100 SXM: 3.35 TB/s HBM3 and 989 TFLOP/s bf16 dense nominal, scaled by 0.7, a
+# typical achievable fraction for decode-sized kernels (assumed, not measured here).
+H100 = DeviceSpec("H100", 0.7 * 3.35e12, 0.7 * 989e12)
+# H200: 4.8 TB/s HBM3e (spec sheet, used as is) and ~790 TFLOP/s bf16 measured
+# in a large matmul (DESIGN.md section 3).
+H200 = DeviceSpec("H200", 4.8e12, 790e12)
+# A100 SXM 80GB: 2.04 TB/s and 312 TFLOP/s bf16 nominal, same 0.7 fraction as H100.
+A100 = DeviceSpec("A100", 0.7 * 2.04e12, 0.7 * 312e12)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    bytes_per_param: int = 2
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelShape":
+        """From a HF Llama-style config (object or dict); parameters counted from shapes."""
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        hidden, layers, vocab = get("hidden_size"), get("num_hidden_layers"), get("vocab_size")
+        heads = get("num_attention_heads")
+        kv_heads = get("num_key_value_heads") or heads
+        head_dim = get("head_dim") or hidden // heads
+        attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+        mlp = 3 * hidden * get("intermediate_size")  # gate, up, down
+        embed = vocab * hidden * (1 if get("tie_word_embeddings", False) else 2)
+        dtype = str(get("torch_dtype") or get("dtype") or "bfloat16")
+        return cls(
+            num_params=float(layers * (attn + mlp) + embed),
+            num_layers=layers,
+            hidden_size=hidden,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            bytes_per_param=4 if "float32" in dtype else 2,
+        )
+
+
+llama3_8b = ModelShape(8.03e9, 32, 4096, 8, 128, 128256)
+llama3_70b = ModelShape(70.6e9, 80, 8192, 8, 128, 128256)
+llama32_1b = ModelShape(1.24e9, 16, 2048, 8, 64, 128256)
+
+
+def roofline_step_time(model: ModelShape, device: DeviceSpec, batch: int, q: int, context_len: int) -> float:
+    """max(bytes / bandwidth, flops / flop rate) + overhead for one forward of
+    `batch` rows with `q` new tokens each over `context_len` cached tokens.
+    Bytes: all weights once plus every row's KV cache; flops: 2 per parameter per
+    token plus QK^T and AV over the context."""
+    kv_bytes = batch * context_len * model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.bytes_per_param
+    moved = model.num_params * model.bytes_per_param + kv_bytes
+    tokens = batch * q
+    flops = 2 * model.num_params * tokens + 4 * tokens * context_len * model.num_layers * model.hidden_size
+    return max(moved / device.mem_bandwidth_Bps, flops / device.flops) + device.per_step_overhead_s
+
+
+def roofline_costs(
+    target: ModelShape,
+    draft: ModelShape | None,
+    device: DeviceSpec,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    qs: Sequence[int] = DEFAULT_QS,
+    context_len: int = 1024,
+    hop_overhead_s: Mapping[str, float] = DEFAULT_HOP_OVERHEAD_S,
+) -> StepCosts:
+    """A StepCosts predicted by the roofline, so CostModel answers for `device`."""
+    return StepCosts(
+        batches=tuple(batches),
+        qs=tuple(qs),
+        target_s=tuple(tuple(roofline_step_time(target, device, b, q, context_len) for q in qs) for b in batches),
+        draft_s=tuple(roofline_step_time(draft, device, b, 1, context_len) if draft else 0.0 for b in batches),
+        hop_overhead_s=dict(hop_overhead_s),
+        source=f"roofline:{device.name}",
+    )
+
+
+def adaptive_k(
+    cost_model: CostModel,
+    batch: float,
+    acceptance: float,
+    k_max: int,
+    current_k: int,
+    steps_at_current: int = 0,
+    topology: str = "colocated",
+    hysteresis: float = 0.05,
+    probe_every: int = 16,
+    probe_k: int = 1,
+) -> int:
+    """Per-step re-choice of K for one request inside a speculative replica.
+
+    - Switch from current_k to the best K (0 = plain step, without leaving the
+      replica) only if it is faster per token by more than `hysteresis`, so K
+      does not flap when two choices are within noise of each other.
+    - Probe: at K = 0 no position is judged, so the request's acceptance estimate
+      freezes at its collapsed value (decay is by judged tokens). After
+      `probe_every` steps at K = 0 one step runs at `probe_k` to gather fresh
+      evidence; if acceptance has returned, the estimate rises over a few probes
+      and K climbs back, otherwise the next call drops to 0 again.
+    `steps_at_current` is the caller's count of steps since K last changed.
+    """
+    best = cost_model.best_k(batch, acceptance, k_max, topology)
+    if current_k == 0 and best.k == 0:
+        return probe_k if steps_at_current >= probe_every else 0
+    if current_k > k_max:
+        return best.k
+    current_time = cost_model.spec_time_per_token(batch, current_k, acceptance, topology)
+    return best.k if best.time_per_token_s < (1.0 - hysteresis) * current_time else current_k

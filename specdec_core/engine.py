@@ -1,0 +1,448 @@
+"""The in-process engine: continuous batching of plain and speculative requests.
+
+One ``step`` = (1) admit waiting requests and prefill them in one target pass, which emits their
+first token; (2) for every running request choose its K (K=0 is plain decoding), let the proposer
+draft K tokens for the speculative ones, batched, and (3) verify all of them, plain rows included,
+in one batched target pass (``Verifier``, Leviathan et al. 2023, Algorithm 1). Requests join and
+leave only at step boundaries.
+
+The engine owns each request's authoritative token history; the proposer and verifier hold KV
+caches as soft state keyed by request id and reconcile against that history on every call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
+from specdec_core.runner import ModelRunner, load_tokenizer
+from specdec_core.stats import RequestStats
+from specdec_core.verifier import Verifier, VerifyItem
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    num_speculative_tokens: int = 0  # K; 0 = plain decoding
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # every output token so far (EOS excluded)
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stats: RequestStats
+    new_token_ids: list[int]  # tokens added since this request's previous output
+    new_text: str
+
+
+@dataclass
+class StepTiming:
+    batch: int = 0  # running requests in the decode pass
+    speculative_rows: int = 0
+    prefill_rows: int = 0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: float
+    tokens: list[int] = field(default_factory=list)  # prompt + output: the authoritative history
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_tokens: int = 0
+    sent_text: int = 0
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: str | None = None
+    draft_failed: bool = False
+
+
+# Chooses a running request's K for this step from the request and the decode batch size.
+KPolicy = Callable[["_Request", int], int]
+
+
+def fixed_k(request: _Request, batch_size: int) -> int:
+    return request.params.num_speculative_tokens
+
+
+class Engine:
+    def __init__(
+        self,
+        target: ModelRunner,
+        tokenizer,
+        proposer: Proposer | None = None,
+        max_batch_size: int = 32,
+        k_policy: KPolicy = fixed_k,
+    ):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.verifier = Verifier(target)
+        self.max_batch_size = min(max_batch_size, target.num_slots)
+        self.k_policy = k_policy
+        self.max_model_len = target.max_len
+        self.eos_token_ids = _eos_ids(tokenizer, target.model)
+        self.last_step = StepTiming()
+        self._incoming: deque[_Request] = deque()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # ---- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        draft: str | None = None,
+        proposer: str | None = None,
+        *,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_batch_size: int = 32,
+        max_model_len: int = 1024,
+        trust_remote_code: bool = False,
+        ngram_max_n: int = 4,
+        k_policy: KPolicy = fixed_k,
+    ) -> "Engine":
+        """Load a target and optionally a draft from local paths or hub names.
+
+        ``proposer`` is "draft" (needs ``draft``) or "ngram"; by default "draft" when a draft is
+        given, else "ngram", so every engine can speculate.
+        """
+        proposer = proposer or ("draft" if draft else "ngram")
+        if proposer not in ("draft", "ngram"):
+            raise ValueError(f"proposer must be 'draft' or 'ngram', got {proposer!r}")
+        if proposer == "draft" and not draft:
+            raise ValueError("proposer='draft' needs a draft model path")
+        tokenizer = load_tokenizer(target, trust_remote_code)
+        runner_kw = dict(
+            device=device, dtype=dtype, max_slots=max_batch_size, max_len=max_model_len,
+            trust_remote_code=trust_remote_code,
+        )
+        target_runner = ModelRunner.from_pretrained(target, **runner_kw)
+        prop: Proposer
+        if proposer == "draft":
+            check_same_tokenizer(tokenizer, load_tokenizer(draft, trust_remote_code), target, draft)
+            draft_runner = ModelRunner.from_pretrained(draft, **runner_kw)
+            if draft_runner.vocab_size != target_runner.vocab_size:
+                raise ValueError(
+                    f"draft vocab size {draft_runner.vocab_size} != target vocab size {target_runner.vocab_size}"
+                )
+            prop = DraftModelProposer(draft_runner, name=str(draft))
+        else:
+            prop = NgramProposer(max_n=ngram_max_n)
+        return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size, k_policy=k_policy)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = [int(t) for t in prompt]
+        if any(t < 0 or t >= self.target.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        return ids
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request (thread-safe); it joins the batch at the next step boundary."""
+        params.validate()
+        prompt_ids = self.encode(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context limit of {self.max_model_len} tokens"
+            )
+        if params.num_speculative_tokens > 0 and self.proposer is None:
+            raise ValueError("speculative decoding requested but the engine has no proposer")
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator()
+            if params.seed is not None:
+                generator.manual_seed(params.seed)
+            else:
+                generator.seed()
+        req = _Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=prompt_ids,
+            params=params,
+            generator=generator,
+            arrival=time.perf_counter(),
+            tokens=list(prompt_ids),
+        )
+        req.stats.prompt_tokens = len(prompt_ids)
+        self._incoming.append(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request finishes with reason "abort" and frees its slots at the next step."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._incoming or self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._incoming) + len(self._waiting)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        timing = StepTiming()
+        while self._incoming:
+            self._waiting.append(self._incoming.popleft())
+        outputs = self._process_aborts()
+        decoding = list(self._running)
+        admitted = []
+        while self._waiting and len(self._running) < self.max_batch_size and self.target.num_free_slots:
+            req = self._waiting.popleft()
+            self._running.append(req)
+            admitted.append(req)
+        if admitted:
+            t = time.perf_counter()
+            self._verify_and_commit(admitted, [Proposal([], None)] * len(admitted))
+            timing.prefill_s = time.perf_counter() - t
+            timing.prefill_rows = len(admitted)
+            for req in admitted:
+                req.stats.prefill_s = time.perf_counter() - req.arrival
+                req.stats.first_token_s = req.stats.prefill_s
+        if decoding:
+            self._decode(decoding, timing)
+        timing.total_s = time.perf_counter() - t0
+        self.last_step = timing
+        for req in decoding:
+            req.stats.decode_s += timing.total_s - timing.prefill_s
+        outputs += [self._output(r) for r in admitted + decoding]
+        self._running = [r for r in self._running if r.finish_reason is None]
+        return outputs
+
+    def _decode(self, rows: list[_Request], timing: StepTiming) -> None:
+        batch = len(rows)
+        ks = [self._choose_k(r, batch) for r in rows]
+        t = time.perf_counter()
+        proposals = self._propose(rows, ks)
+        timing.propose_s = time.perf_counter() - t
+        t = time.perf_counter()
+        self._verify_and_commit(rows, proposals)
+        timing.verify_s = time.perf_counter() - t
+        timing.batch = batch
+        timing.speculative_rows = sum(1 for p in proposals if p.token_ids)
+
+    def _choose_k(self, req: _Request, batch: int) -> int:
+        if req.draft_failed or self.proposer is None:
+            return 0
+        k = self.k_policy(req, batch)
+        remaining = req.params.max_new_tokens - len(req.output_ids)
+        room = self.max_model_len - len(req.tokens)
+        # A verify emits up to K+1 tokens: proposing past the token budget or the context is waste.
+        return max(0, min(k, remaining - 1, room))
+
+    def _propose(self, rows: list[_Request], ks: list[int]) -> list[Proposal]:
+        proposals = [Proposal([], None) for _ in rows]
+        spec = [i for i, k in enumerate(ks) if k > 0]
+        if not spec:
+            return proposals
+        requests = [
+            ProposalRequest(
+                rows[i].request_id, rows[i].tokens, ks[i],
+                rows[i].params.temperature, rows[i].params.top_p, rows[i].params.top_k, rows[i].generator,
+            )
+            for i in spec
+        ]
+        try:
+            for i, prop in zip(spec, self.proposer.propose(requests)):
+                proposals[i] = prop
+        except Exception:
+            # A failed draft degrades these requests to plain decoding; it never loses them.
+            logger.exception("proposer failed; %d request(s) fall back to plain decoding", len(spec))
+            for i in spec:
+                rows[i].draft_failed = True
+                self.proposer.release(rows[i].request_id)
+        return proposals
+
+    def _verify_and_commit(self, rows: list[_Request], proposals: list[Proposal]) -> None:
+        items = [
+            VerifyItem(
+                r.request_id, r.tokens, p, r.params.temperature, r.params.top_p, r.params.top_k, r.generator
+            )
+            for r, p in zip(rows, proposals)
+        ]
+        for req, res in zip(rows, self.verifier.verify(items)):
+            req.stats.record_verify(res.num_proposed, res.num_accepted)
+            self._commit(req, res.emitted)
+
+    def _commit(self, req: _Request, emitted: list[int]) -> None:
+        """Append emitted tokens one by one, stopping at EOS, the token budget or a stop string."""
+        for token in emitted:
+            if token in self.eos_token_ids and not req.params.ignore_eos:
+                self._finish(req, "stop")
+                return
+            req.tokens.append(token)
+            req.output_ids.append(token)
+            if self._hit_stop_string(req):
+                self._finish(req, "stop")
+                return
+            if len(req.output_ids) >= req.params.max_new_tokens:
+                self._finish(req, "length")
+                return
+
+    def _hit_stop_string(self, req: _Request) -> bool:
+        if not req.params.stop:
+            return False
+        req.text = self._decode_text(req.output_ids)
+        window = max(len(s) for s in req.params.stop) + 8
+        tail_start = max(0, len(req.text) - window)
+        hits = [i for s in req.params.stop if (i := req.text.find(s, tail_start)) >= 0]
+        if hits:
+            req.text = req.text[: min(hits)]
+            return True
+        return False
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.stats.latency_s = time.perf_counter() - req.arrival
+        self.verifier.release(req.request_id)
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
+
+    def _process_aborts(self) -> list[RequestOutput]:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+        if not aborts:
+            return []
+        outputs = []
+        for queue in (self._waiting,):
+            for req in [r for r in queue if r.request_id in aborts]:
+                queue.remove(req)
+                req.finish_reason = "abort"
+                outputs.append(self._output(req))
+        for req in self._running:
+            if req.request_id in aborts:
+                self._finish(req, "abort")
+                outputs.append(self._output(req))
+        self._running = [r for r in self._running if r.finish_reason is None]
+        return outputs
+
+    def _decode_text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        finished = req.finish_reason is not None
+        if not (req.params.stop and finished):  # a stop string already cut the text
+            req.text = self._decode_text(req.output_ids)
+        req.stats.output_tokens = len(req.output_ids)
+        # Hold back a trailing partial UTF-8 character until its bytes arrive.
+        visible = req.text if finished else req.text.rstrip("\ufffd")
+        new_text = visible[req.sent_text :] if len(visible) > req.sent_text else ""
+        new_ids = req.output_ids[req.sent_tokens :]
+        req.sent_text = max(req.sent_text, len(visible))
+        req.sent_tokens = len(req.output_ids)
+        return RequestOutput(
+            req.request_id, list(req.output_ids), visible, finished, req.finish_reason, req.stats, new_ids, new_text
+        )
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        mode: str = "speculative",
+        num_speculative_tokens: int = 4,
+        seed: int | None = 0,
+        stop: Sequence[str] = (),
+        params: Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion, batched. Request i is seeded with ``seed + i``; ``params`` (one
+        per prompt) overrides the scalar arguments, e.g. to mix plain and speculative requests."""
+        if params is None:
+            if mode not in ("speculative", "plain"):
+                raise ValueError(f"mode must be 'speculative' or 'plain', got {mode!r}")
+            k = num_speculative_tokens if mode == "speculative" else 0
+            params = [
+                SamplingParams(
+                    max_new_tokens, temperature, top_p, top_k, None if seed is None else seed + i, tuple(stop),
+                    num_speculative_tokens=k,
+                )
+                for i in range(len(prompts))
+            ]
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Speculation compares token ids, so draft and target must share one vocabulary."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(
+            f"draft {draft_name!r} and target {target_name!r} have different tokenizers "
+            f"({len(draft_tok)} vs {len(target_tok)} tokens); speculative decoding needs a shared vocabulary"
+        )
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids

@@ -1,0 +1,207 @@
+"""Model runner: an HF causal LM driven step by step over a preallocated slot KV cache.
+
+The runner loads any local or hub checkpoint with the real ``AutoModelForCausalLM.from_pretrained``
+and runs the model's own modules (embedding, rotary embedding, decoder layers, norm, LM head), but
+owns the batching: one forward takes many sequences, each feeding its own number of new tokens
+(1 for a plain step, p pending + K draft tokens for a verify, a whole prompt for a prefill) at its
+own position. Rows only ever attend to their own slot, so concurrent sequences never see each
+other's state.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from specdec_core.kv_cache import SlotKVCache, StepLayout
+
+# Decoder-only families whose base model is embed -> rotary -> layers(cache=...) -> norm -> lm_head,
+# the structure this runner drives directly.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 halves memory traffic on GPU; on CPU fp32 is both faster and exact enough.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+class ModelRunner:
+    """Batched, ragged forward steps for one model over its own slot KV cache."""
+
+    def __init__(self, model: PreTrainedModel, max_slots: int = 32, max_len: int = 1024, name: str = "model"):
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported by the runner; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        self.model = model.eval()
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        base = model.model
+        self._embed, self._rotary, self._layers, self._norm = (
+            base.embed_tokens, base.rotary_emb, base.layers, base.norm
+        )
+        self._lm_head = model.lm_head
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        max_positions = getattr(cfg, "max_position_embeddings", max_len)
+        self.max_len = min(max_len, max_positions)
+        self.cache = SlotKVCache(
+            cfg.num_hidden_layers, max_slots, kv_heads, head_dim, self.max_len, self.dtype, self.device
+        )
+        self.vocab_size = self._lm_head.out_features
+        self.num_layers = cfg.num_hidden_layers
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self._lengths = [0] * max_slots
+        self._free = list(range(max_slots - 1, -1, -1))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_slots: int = 32,
+        max_len: int = 1024,
+        trust_remote_code: bool = False,
+    ) -> "ModelRunner":
+        device = torch.device(device) if device is not None else default_device()
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        dtype = dtype or default_dtype(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        ).to(device)
+        return cls(model, max_slots=max_slots, max_len=max_len, name=str(path))
+
+    # ---- slots -------------------------------------------------------------------------------
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"{self.name}: all {self.cache.num_slots} KV slots are in use")
+        slot = self._free.pop()
+        self._lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise RuntimeError(f"{self.name}: slot {slot} freed twice")
+        self._lengths[slot] = 0
+        self._free.append(slot)
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll a sequence back to ``length`` cached tokens (after a rejection)."""
+        if not 0 <= length <= self._lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self._lengths[slot]} to {length}")
+        self._lengths[slot] = length
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        slots: list[int],
+        new_tokens: list[list[int]],
+        num_logits: list[int],
+    ) -> torch.Tensor:  # [B, max(num_logits), V] float32
+        """Append ``new_tokens[b]`` to sequence ``slots[b]`` and return logits at its last ``num_logits[b]``
+        positions (right-padded by repeating the last position)."""
+        batch = len(slots)
+        q = [len(t) for t in new_tokens]
+        if batch == 0 or min(q) == 0:
+            raise ValueError("every row of a forward must feed at least one token")
+        lengths = [self._lengths[s] for s in slots]
+        for slot, length, n in zip(slots, lengths, q):
+            if length + n > self.max_len:
+                raise ValueError(f"{self.name}: slot {slot} would exceed max_len {self.max_len}")
+        q_max = max(q)
+        dev = self.device
+        ids = torch.zeros(batch, q_max, dtype=torch.long)
+        for b, toks in enumerate(new_tokens):
+            ids[b, : q[b]] = torch.as_tensor(toks, dtype=torch.long)
+        ids = ids.to(dev)
+        q_t = torch.tensor(q, device=dev)  # [B]
+        cols = torch.arange(q_max, device=dev)  # [Q]
+        positions = torch.tensor(lengths, device=dev).unsqueeze(-1) + cols  # [B, Q]
+        valid = cols.unsqueeze(0) < q_t.unsqueeze(-1)  # [B, Q]
+        kv_len = max(length + n for length, n in zip(lengths, q))
+        # A query at position t sees its own cache columns 0..t: causal within the row, nothing of other rows.
+        mask = torch.arange(kv_len, device=dev).view(1, 1, 1, -1) <= positions.view(batch, 1, q_max, 1)
+        start = slots[0]
+        contiguous = slots == list(range(start, start + batch))
+        self.cache.layout = StepLayout(
+            slots=torch.tensor(slots, device=dev),
+            write_pos=torch.where(valid, positions, torch.full_like(positions, self.cache.max_len)),
+            kv_len=kv_len,
+            contiguous_from=start if contiguous else None,
+        )
+        hidden = self._embed(ids)  # [B, Q, H]
+        pos_emb = self._rotary(hidden, positions)
+        for layer in self._layers:
+            hidden = layer(
+                hidden, attention_mask=mask, position_ids=positions, cache=self.cache, position_embeddings=pos_emb
+            )
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        self.cache.layout = None
+        for slot, n in zip(slots, q):
+            self._lengths[slot] += n
+        n_max = max(num_logits)
+        pick = q_t.unsqueeze(-1) - torch.tensor(num_logits, device=dev).unsqueeze(-1) + torch.arange(n_max, device=dev)
+        pick = torch.minimum(pick, q_t.unsqueeze(-1) - 1).clamp_(min=0)  # [B, N]
+        picked = hidden.gather(1, pick.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, N, H]
+        return self._lm_head(self._norm(picked)).float()
+
+    # ---- calibration -------------------------------------------------------------------------
+
+    def time_step(self, batch_size: int, num_new_tokens: int, context_len: int = 64, repeats: int = 3) -> float:
+        """Median seconds of one forward at this batch size, new-token count and context length.
+
+        Uses free slots, fills them with ``context_len`` tokens, and returns them afterwards.
+        """
+        if batch_size > self.num_free_slots:
+            raise RuntimeError(f"time_step needs {batch_size} free slots, {self.num_free_slots} free")
+        gen = torch.Generator().manual_seed(0)
+        slots = [self.allocate() for _ in range(batch_size)]
+        try:
+            prompt = torch.randint(0, self.vocab_size, (batch_size, context_len), generator=gen).tolist()
+            self.forward(slots, prompt, [1] * batch_size)
+            step = torch.randint(0, self.vocab_size, (batch_size, num_new_tokens), generator=gen).tolist()
+            times = []
+            for _ in range(repeats + 1):  # first run warms caches and allocator
+                t0 = time.perf_counter()
+                self.forward(slots, step, [num_new_tokens] * batch_size)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                for slot in slots:
+                    self.truncate(slot, context_len)
+            return statistics.median(times[1:])
+        finally:
+            for slot in slots:
+                self.free(slot)

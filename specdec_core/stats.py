@@ -1,0 +1,69 @@
+"""Per-request speculation statistics.
+
+Definitions follow vLLM's spec-decode metrics: a *verify step* is one target pass over a
+request's K draft tokens; it emits the accepted tokens plus one recovered or bonus token, so
+mean acceptance length = (accepted + verify steps) / verify steps, which counts the bonus token
+and lies in [1, K+1]. Acceptance rate = accepted / proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    proposed: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # draft tokens the target kept
+    verify_steps: int = 0  # target passes that verified at least one draft token
+    plain_steps: int = 0  # target passes without draft tokens
+    proposed_per_position: list[int] = field(default_factory=list)  # [K] how often position i was judged
+    accepted_per_position: list[int] = field(default_factory=list)  # [K] how often position i was accepted
+    prefill_s: float = 0.0  # target prefill, including queueing in its step
+    decode_s: float = 0.0  # sum of the wall times of the steps this request took part in
+    first_token_s: float = 0.0  # from arrival to the first emitted token
+    latency_s: float = 0.0  # from arrival to finish
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 1.0
+
+    def record_verify(self, num_proposed: int, num_accepted: int) -> None:
+        """One verify step: positions 0..num_accepted were judged (the first rejection ends the step)."""
+        if num_proposed == 0:
+            self.plain_steps += 1
+            return
+        self.verify_steps += 1
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+        while len(self.proposed_per_position) < num_proposed:
+            self.proposed_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for pos in range(min(num_accepted + 1, num_proposed)):
+            self.proposed_per_position[pos] += 1
+        for pos in range(num_accepted):
+            self.accepted_per_position[pos] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "verify_steps": self.verify_steps,
+            "plain_steps": self.plain_steps,
+            "accepted_per_position": list(self.accepted_per_position),
+            "proposed_per_position": list(self.proposed_per_position),
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "first_token_s": self.first_token_s,
+            "latency_s": self.latency_s,
+        }

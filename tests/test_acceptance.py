@@ -1,0 +1,104 @@
+"""Acceptance tracker: prior, bias correction for first-rejection steps, decay, snapshot."""
+
+import json
+import random
+
+import pytest
+
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass, judged_positions, temperature_bucket
+
+CLS = TrafficClass.of("draft-1l", 0.0, "code")
+
+
+def simulate_step(rng: random.Random, a: float, k: int) -> int:
+    """Accepted count of one step: i.i.d. accepts with probability a, first rejection ends it."""
+    n = 0
+    while n < k and rng.random() < a:
+        n += 1
+    return n
+
+
+def test_temperature_buckets():
+    assert [temperature_bucket(t) for t in (0.0, 0.3, 0.5, 0.7, 1.0, 1.5)] == [
+        "greedy", "low", "low", "mid", "mid", "high"]
+    assert TrafficClass.of("d", 0.8).key() == "d/mid/default"
+    with pytest.raises(ValueError):
+        temperature_bucket(-0.1)
+
+
+def test_prior_before_evidence():
+    tr = AcceptanceTracker(prior_mean=0.6, prior_weight=20, draft_prior_means={"eagle": 0.8})
+    assert tr.estimate(CLS) == pytest.approx(0.6)
+    assert tr.estimate(TrafficClass.of("eagle", 1.0)) == pytest.approx(0.8)
+    assert tr.evidence(CLS) == 0.0
+    tr.observe(CLS, proposed=4, accepted=4)  # 4 judged, 4 accepted
+    assert tr.estimate(CLS) == pytest.approx((0.6 * 20 + 4) / 24, rel=1e-3)
+    assert tr.evidence(CLS) == pytest.approx(4, rel=1e-2)
+
+
+def test_judged_positions_rule():
+    assert judged_positions(4, 2) == [True, True, False]  # third judged and rejected, fourth never judged
+    assert judged_positions(4, 4) == [True] * 4  # all accepted (bonus token follows)
+    assert judged_positions(3, 0) == [False]
+    with pytest.raises(ValueError):
+        judged_positions(2, 3)
+
+
+def test_estimate_is_unbiased_where_naive_ratio_is_low():
+    rng = random.Random(0)
+    tr = AcceptanceTracker(prior_weight=1, half_life_tokens=1e9)
+    a, k = 0.8, 8
+    proposed = accepted = 0
+    for _ in range(4000):
+        n = simulate_step(rng, a, k)
+        tr.observe(CLS, k, n)
+        proposed, accepted = proposed + k, accepted + n
+    assert tr.estimate(CLS) == pytest.approx(a, abs=0.01)
+    assert accepted / proposed == pytest.approx(0.416, abs=0.02)  # naive: biased low
+    rates = tr.position_rates(CLS)
+    assert len(rates) == k and all(r == pytest.approx(a, abs=0.03) for r in rates)
+
+
+def test_per_position_all_judged():
+    tr = AcceptanceTracker(prior_weight=1, half_life_tokens=1e9)
+    tr.observe(CLS, 4, 1, per_position=[True, False, True, True])  # sampler judged every position
+    assert tr.evidence(CLS) == pytest.approx(4)
+    assert tr.estimate(CLS) == pytest.approx((0.6 + 3) / 5)
+    with pytest.raises(ValueError):
+        tr.observe(CLS, 4, 1, per_position=[True, True, True])  # position 1 must be the rejection
+    with pytest.raises(ValueError):
+        tr.observe(CLS, 4, 1, per_position=[True])  # the rejection was judged, so it must be listed
+
+
+def test_decay_notices_a_traffic_shift():
+    rng = random.Random(1)
+    tr = AcceptanceTracker(prior_weight=20, half_life_tokens=200)
+    for _ in range(500):
+        tr.observe(CLS, 4, simulate_step(rng, 0.9, 4))
+    assert tr.estimate(CLS) == pytest.approx(0.9, abs=0.03)
+    judged = 0.0
+    while judged < 3 * 200:  # three half-lives of the new traffic
+        n = simulate_step(rng, 0.2, 4)
+        tr.observe(CLS, 4, n)
+        judged += len(judged_positions(4, n))
+    assert tr.estimate(CLS) < 0.35
+    assert tr.evidence(CLS) < 200 / 0.693 + 5  # bounded by the decay: ~ half-life / ln 2
+
+
+def test_zero_k_steps_are_ignored_and_classes_are_separate():
+    tr = AcceptanceTracker()
+    tr.observe(CLS, 0, 0)
+    assert tr.evidence(CLS) == 0.0
+    other = TrafficClass.of("draft-1l", 1.2, "code")
+    tr.observe(other, 4, 0)
+    assert tr.evidence(CLS) == 0.0 and tr.evidence(other) > 0
+
+
+def test_snapshot_is_json():
+    tr = AcceptanceTracker()
+    tr.observe(CLS, 3, 2)
+    snap = json.loads(json.dumps(tr.snapshot()))
+    (row,) = snap["classes"]
+    assert row["draft"] == "draft-1l" and row["temperature_bucket"] == "greedy" and row["domain"] == "code"
+    assert row["steps"] == 1 and len(row["per_position"]) == 3
+    assert row["acceptance"] == pytest.approx(tr.estimate(CLS))

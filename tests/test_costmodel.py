@@ -1,0 +1,226 @@
+"""Cost model against hand-computed cases (Leviathan et al. 2023, Theorem 3.8 / Corollary 3.9)."""
+
+import json
+import math
+
+import pytest
+
+from specdec_core.costmodel import (
+    H100,
+    H200,
+    CostModel,
+    ModelShape,
+    StepCosts,
+    adaptive_k,
+    calibrate,
+    expected_tokens_per_step,
+    leviathan_speedup,
+    llama3_8b,
+    llama32_1b,
+    roofline_costs,
+    roofline_step_time,
+)
+
+
+def leviathan_costs(c: float, hop: float = 0.0) -> StepCosts:
+    """Theorem 3.8's world: verify of any length costs one plain step (1 s), draft c s, flat in batch."""
+    return StepCosts(
+        batches=(1, 64),
+        qs=(1, 9),
+        target_s=((1.0, 1.0), (1.0, 1.0)),
+        draft_s=(c, c),
+        hop_overhead_s={"colocated": 0.0, "separate": hop},
+    )
+
+
+def cpu_costs() -> StepCosts:
+    """DESIGN.md section 4 measurements (17M target, 1.9M draft), seconds; q=9 row measured, q=1 too."""
+    return StepCosts(
+        batches=(1, 8, 32, 128),
+        qs=(1, 9),
+        target_s=((0.0187, 0.0299), (0.0311, 0.0633), (0.0648, 0.207), (0.161, 0.548)),
+        draft_s=(0.0057, 0.0086, 0.0114, 0.0232),
+        hop_overhead_s={"colocated": 0.0, "separate": 0.016},
+    )
+
+
+def test_expected_tokens_hand_cases():
+    assert expected_tokens_per_step(0.5, 0) == 1.0
+    assert expected_tokens_per_step(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(0.999999, 4) == pytest.approx(5.0, rel=1e-5)
+    with pytest.raises(ValueError):
+        expected_tokens_per_step(1.2, 2)
+
+
+def test_leviathan_at_zero_cost_is_expected_tokens():
+    for a in (0.3, 0.6, 0.9):
+        for k in (1, 4, 8):
+            assert leviathan_speedup(a, 0.0, k) == pytest.approx(expected_tokens_per_step(a, k))
+
+
+@pytest.mark.parametrize("a,c", [(0.6, 0.5), (0.6, 0.7), (0.3, 0.2), (0.3, 0.4), (0.9, 0.85)])
+def test_k1_speedup_iff_a_above_c(a, c):
+    # K=1: (1 + a) / (1 + c) > 1 iff a > c (Corollary 3.9)
+    assert (leviathan_speedup(a, c, 1) > 1) == (a > c)
+    cm = CostModel(leviathan_costs(c))
+    assert cm.spec_time_per_token(1, 1, a) == pytest.approx(1.0 / leviathan_speedup(a, c, 1))
+
+
+def test_cost_model_reduces_to_leviathan():
+    cm = CostModel(leviathan_costs(0.1))
+    choice = cm.best_k(1, 0.8, k_max=8)
+    expected = max(range(1, 9), key=lambda k: leviathan_speedup(0.8, 0.1, k))
+    assert choice.k == expected
+    assert choice.predicted_speedup == pytest.approx(leviathan_speedup(0.8, 0.1, expected))
+
+
+def test_best_k_is_zero_when_nothing_beats_plain():
+    cm = CostModel(leviathan_costs(0.9))
+    choice = cm.best_k(1, 0.8)
+    assert choice.k == 0
+    assert choice.predicted_speedup == 1.0
+    forced = cm.best_k(1, 0.8, allow_plain=False)
+    assert forced.k >= 1 and forced.predicted_speedup < 1.0
+
+
+def test_cost_ratio_and_hops():
+    cm = CostModel(cpu_costs())
+    assert cm.cost_ratio(1) == pytest.approx(0.0057 / 0.0187)
+    assert cm.spec_step_time(1, 2, "separate") - cm.spec_step_time(1, 2, "colocated") == pytest.approx(0.016)
+    with pytest.raises(ValueError):
+        cm.spec_step_time(1, 2, "teleport")
+
+
+def test_interpolation_and_extrapolation():
+    costs = cpu_costs()
+    assert costs.target_time(8, 1) == pytest.approx(0.0311)
+    assert costs.target_time(8, 5) == pytest.approx((0.0311 + 0.0633) / 2)  # halfway in q
+    assert costs.target_time(20, 1) == pytest.approx((0.0311 + 0.0648) / 2)  # halfway in batch
+    assert costs.draft_time(256) == pytest.approx(0.0232 + (0.0232 - 0.0114) / 96 * 128)  # from the last two
+    assert costs.target_time(1, 17) == pytest.approx(0.0299 + (0.0299 - 0.0187))
+    assert costs.draft_time(0.5) == pytest.approx(0.0057)  # flat below the grid
+
+
+def test_break_even_batch_on_cpu_measurements():
+    cm = CostModel(cpu_costs())
+    a, k = 0.45, 1  # weak pair: pays at batch 1, not once the verify's extra row-token costs show
+    b = cm.break_even_batch(a, k)
+    assert b is not None and 8 < b < 128
+    assert cm.spec_time_per_token(b - 1, k, a) < cm.plain_time_per_token(b - 1)
+    assert cm.spec_time_per_token(b, k, a) >= cm.plain_time_per_token(b)
+    # the separate topology's hops move break-even down (or make it lose at once)
+    assert cm.break_even_batch(a, k, "separate") <= b
+    assert CostModel(leviathan_costs(0.05)).break_even_batch(0.9, 2) is None
+
+
+def test_roundtrip_json():
+    costs = cpu_costs()
+    again = StepCosts.from_dict(json.loads(json.dumps(costs.to_dict())))
+    assert again == costs
+
+
+def test_validation():
+    with pytest.raises(ValueError):
+        StepCosts(batches=(2, 1), qs=(1,), target_s=((1.0,), (1.0,)), draft_s=(0.1, 0.1))
+    with pytest.raises(ValueError):
+        StepCosts(batches=(1,), qs=(1, 2), target_s=((1.0,),), draft_s=(0.1,))
+
+
+def test_calibrate_calls_grid():
+    calls = []
+
+    def time_target(b, q):
+        calls.append((b, q))
+        return 0.01 * b + 0.001 * q
+
+    costs = calibrate(time_target, lambda b: 0.002 * b, batches=(1, 4), qs=(1, 3), hop_overhead_s={"colocated": 0.0})
+    assert calls == [(1, 1), (1, 3), (4, 1), (4, 3)]
+    assert costs.target_time(4, 3) == pytest.approx(0.043)
+    assert costs.draft_time(4) == pytest.approx(0.008)
+    assert calibrate(time_target, None, batches=(1,), qs=(1,)).draft_s == (0.0,)
+
+
+def test_roofline_h200_8b_decode_is_memory_bound():
+    weights = llama3_8b.num_params * 2
+    t = roofline_step_time(llama3_8b, H200, batch=1, q=1, context_len=128) - H200.per_step_overhead_s
+    assert weights / 4.8e12 == pytest.approx(3.35e-3, rel=0.01)  # ~16 GB / 4.8 TB/s
+    assert t == pytest.approx(weights / 4.8e12, rel=0.01)  # KV of 128 tokens is noise
+
+
+def test_roofline_turns_compute_bound_at_large_batch_times_q():
+    def terms(batch, q):
+        t = roofline_step_time(llama3_8b, H200, batch, q, context_len=128) - H200.per_step_overhead_s
+        return t, llama3_8b.num_params * 2 / H200.mem_bandwidth_Bps
+
+    t, memory = terms(1, 1)
+    assert t == pytest.approx(memory, rel=0.01)
+    t, memory = terms(256, 9)
+    assert t > 2 * memory  # 2304 tokens x 16 GFLOP >> ridge point (~165 FLOP/byte)
+    assert t == pytest.approx(2 * llama3_8b.num_params * 256 * 9 / H200.flops, rel=0.05)
+
+
+def test_roofline_costs_answer_cost_model_questions():
+    cm = CostModel(roofline_costs(llama3_8b, llama32_1b, H100, context_len=512))
+    assert cm.costs.source == "roofline:H100"
+    assert 0.1 < cm.cost_ratio(1) < 0.4  # 1.24B vs 8B, both memory bound, plus overhead
+    assert cm.best_k(1, 0.8).k > 0  # batch-1 decode is memory bound: speculation pays
+    grid = dict(batches=(1, 64, 512, 1024))
+    short = CostModel(roofline_costs(llama3_8b, llama32_1b, H100, context_len=128, **grid))
+    assert short.best_k(1024, 0.6).k == 0  # compute bound: verify tokens are no longer free
+    long = CostModel(roofline_costs(llama3_8b, llama32_1b, H100, context_len=4096, **grid))
+    assert long.best_k(1024, 0.6).k > 0  # KV reads keep the target memory bound (MagicDec)
+
+
+def test_model_shape_from_hf_config_matches_preset():
+    cfg = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    shape = ModelShape.from_hf_config(cfg)
+    assert shape.num_params == pytest.approx(llama3_8b.num_params, rel=0.01)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (32, 8, 128)
+    assert shape.bytes_per_param == 2
+
+
+def test_model_shape_from_transformers_config():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=1000, tie_word_embeddings=True,
+    )
+    shape = ModelShape.from_hf_config(cfg)
+    model = transformers.LlamaForCausalLM(cfg)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert shape.num_params == sum(p.numel() for p in model.parameters()) - norms
+    assert shape.head_dim == 16
+
+
+def test_adaptive_k_drops_to_plain_and_recovers_with_probe():
+    cm = CostModel(cpu_costs())
+    kw = dict(cost_model=cm, batch=1, k_max=8, probe_every=4, probe_k=1)
+    k = adaptive_k(acceptance=0.8, current_k=0, **kw)
+    assert k > 0
+    assert adaptive_k(acceptance=0.05, current_k=k, **kw) == 0  # collapse: plain step in place
+    assert [adaptive_k(acceptance=0.05, current_k=0, steps_at_current=s, **kw) for s in range(6)] == [0] * 4 + [1, 1]
+    assert adaptive_k(acceptance=0.05, current_k=1, **kw) == 0  # probe failed: back to plain
+    assert adaptive_k(acceptance=0.8, current_k=1, **kw) > 1  # probe found acceptance back
+
+
+def test_adaptive_k_hysteresis_keeps_near_ties():
+    cm = CostModel(leviathan_costs(0.1))
+    best = cm.best_k(1, 0.8).k
+    for other in (best - 1, best + 1):
+        ratio = cm.spec_time_per_token(1, best, 0.8) / cm.spec_time_per_token(1, other, 0.8)
+        assert ratio > 0.95  # neighbours are within the hysteresis band here
+        assert adaptive_k(cm, 1, 0.8, 8, current_k=other) == other
+    assert adaptive_k(cm, 1, 0.8, 8, current_k=8, hysteresis=0.0) == best
+    assert math.isclose(adaptive_k(cm, 1, 0.8, 2, current_k=5), cm.best_k(1, 0.8, 2).k)

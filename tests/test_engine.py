@@ -1,0 +1,228 @@
+"""Engine correctness: lossless greedy speculation, batching invariance, determinism, the KV cache,
+stop conditions, fault degradation and input errors."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec_core import Engine, SamplingParams
+from specdec_core.proposers import NgramProposer
+
+PROMPTS = [
+    "It is a truth universally acknowledged",
+    "def fibonacci(n):",
+    [5, 9, 12],
+    "In the beginning God created the heaven and the earth. And the earth was without form",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    return Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_batch_size=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def self_draft_engine(tiny_models):
+    """Draft == target: every proposal is accepted, which exercises the bonus-token path."""
+    return Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_batch_size=8, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def ngram_engine(tiny_models):
+    return Engine.from_pretrained(tiny_models["target"], proposer="ngram", max_batch_size=8, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def plain_reference(engine):
+    return [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=24, mode="plain")]
+
+
+def test_plain_matches_hf_generate(tiny_models, engine):
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"])
+    for prompt in PROMPTS[:2]:
+        ids = engine.encode(prompt)
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+        ours = engine.generate([prompt], max_new_tokens=16, mode="plain")[0].token_ids
+        expected = hf[0, len(ids):].tolist()
+        eos = engine.eos_token_ids
+        expected = expected[: next((i for i, t in enumerate(expected) if t in eos), len(expected))]
+        assert ours == expected
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_speculative_equals_plain(engine, plain_reference, k):
+    outs = engine.generate(PROMPTS, max_new_tokens=24, mode="speculative", num_speculative_tokens=k)
+    assert [o.token_ids for o in outs] == plain_reference
+    assert all(o.stats.proposed > 0 for o in outs)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_full_acceptance_equals_plain(self_draft_engine, plain_reference, k):
+    outs = self_draft_engine.generate(PROMPTS, max_new_tokens=24, num_speculative_tokens=k)
+    assert [o.token_ids for o in outs] == plain_reference
+    for o in outs:
+        assert o.stats.acceptance_rate == 1.0
+        assert o.stats.mean_acceptance_length > 1.0
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_ngram_equals_plain(ngram_engine, plain_reference, k):
+    outs = ngram_engine.generate(PROMPTS, max_new_tokens=24, num_speculative_tokens=k)
+    assert [o.token_ids for o in outs] == plain_reference
+
+
+def test_mixed_batch_of_plain_and_speculative(engine, plain_reference):
+    params = [SamplingParams(max_new_tokens=24, num_speculative_tokens=k) for k in (0, 3, 0, 7)]
+    outs = engine.generate(PROMPTS, params=params)
+    assert [o.token_ids for o in outs] == plain_reference
+    assert outs[0].stats.proposed == 0 and outs[1].stats.proposed > 0
+
+
+def test_batched_equals_one_at_a_time(engine):
+    kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.95, num_speculative_tokens=3, seed=11)
+    batched = engine.generate(PROMPTS, **kw)
+    for i, prompt in enumerate(PROMPTS):
+        solo = engine.generate([prompt], **{**kw, "seed": 11 + i})[0]
+        assert solo.token_ids == batched[i].token_ids
+
+
+def test_seeded_sampling_is_deterministic(engine):
+    a = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, num_speculative_tokens=4, seed=5)
+    b = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, num_speculative_tokens=4, seed=5)
+    c = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, num_speculative_tokens=4, seed=6)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_sampled_speculative_follows_plain_distribution(engine):
+    """End to end at T=1 with top_k=4: the second output token's histogram matches plain decoding's."""
+    n, prompt = 480, [7, 3, 11]
+
+    def histogram(mode):
+        params = [
+            SamplingParams(max_new_tokens=2, temperature=1.0, top_k=4, seed=1000 * (mode == "spec") + i,
+                           num_speculative_tokens=3 if mode == "spec" else 0)
+            for i in range(n)
+        ]
+        outs = engine.generate([prompt] * n, params=params)
+        second = torch.tensor([o.token_ids[1] for o in outs if len(o.token_ids) == 2])
+        return torch.bincount(second, minlength=engine.target.vocab_size).float() / len(second)
+
+    tv = 0.5 * (histogram("spec") - histogram("plain")).abs().sum().item()
+    assert tv < 0.15, tv
+
+
+def test_kv_cache_is_preallocated_and_slots_return(engine):
+    ptrs = engine.target.cache.storage_ptrs()
+    draft_runner = engine.proposer.runner
+    draft_ptrs = draft_runner.cache.storage_ptrs()
+    engine.generate(PROMPTS * 3, max_new_tokens=30, num_speculative_tokens=4)
+    assert engine.target.cache.storage_ptrs() == ptrs
+    assert draft_runner.cache.storage_ptrs() == draft_ptrs
+    assert engine.target.num_free_slots == engine.target.num_slots
+    assert draft_runner.num_free_slots == draft_runner.num_slots
+    assert engine.proposer.num_sequences() == 0
+
+
+def test_more_requests_than_slots_queue_and_finish(tiny_models):
+    small = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_batch_size=2, max_model_len=128)
+    outs = small.generate(PROMPTS * 2, max_new_tokens=8, num_speculative_tokens=2)
+    assert all(o.finished and len(o.token_ids) > 0 for o in outs)
+    assert small.target.num_free_slots == 2
+
+
+def test_stop_string_and_max_tokens(engine):
+    full = engine.generate([PROMPTS[0]], max_new_tokens=24, mode="plain")[0]
+    assert full.finish_reason in ("length", "stop")
+    stop = full.text[5:8]
+    cut = engine.generate([PROMPTS[0]], max_new_tokens=24, stop=[stop], num_speculative_tokens=4)[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and full.text.startswith(cut.text)
+    assert len(engine.generate([PROMPTS[0]], max_new_tokens=3)[0].token_ids) == 3
+
+
+def test_eos_stops_generation(engine, plain_reference):
+    eos_engine_ids = engine.eos_token_ids
+    ref = plain_reference[1]
+    engine.eos_token_ids = {ref[4]}
+    try:
+        out = engine.generate([PROMPTS[1]], max_new_tokens=24, num_speculative_tokens=3)[0]
+    finally:
+        engine.eos_token_ids = eos_engine_ids
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ref[: ref.index(ref[4])]
+
+
+def test_failed_draft_degrades_to_plain(tiny_models, plain_reference):
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_batch_size=8, max_model_len=256)
+
+    def broken(requests):
+        raise RuntimeError("draft replica lost")
+
+    eng.proposer.propose = broken
+    outs = eng.generate(PROMPTS, max_new_tokens=24, num_speculative_tokens=4)
+    assert [o.token_ids for o in outs] == plain_reference
+    assert all(o.stats.proposed == 0 for o in outs)
+
+
+def test_abort_frees_slots(engine):
+    rid = engine.add_request("It is a truth", SamplingParams(max_new_tokens=50, num_speculative_tokens=3))
+    engine.step()
+    engine.step()
+    engine.abort(rid)
+    outs = engine.step()
+    assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
+    assert not engine.has_work()
+    assert engine.target.num_free_slots == engine.target.num_slots
+    assert engine.proposer.num_sequences() == 0
+
+
+def test_streamed_deltas_concatenate_to_final(engine):
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=20, num_speculative_tokens=3))
+    text, ids, final = "", [], None
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                text += out.new_text
+                ids += out.new_token_ids
+                final = out
+    assert final.finished and text == final.text and ids == final.token_ids
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(top_p=0), "top_p"),
+        (SamplingParams(num_speculative_tokens=-1), "num_speculative_tokens"),
+        (SamplingParams(max_new_tokens=500), "context limit"),
+    ],
+)
+def test_bad_params_raise(engine, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("hello", params)
+
+
+def test_bad_prompts_raise(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([10**6], SamplingParams())
+
+
+def test_different_tokenizers_rejected_at_load(tiny_models, tmp_path):
+    from conftest import build_model
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["target"])
+    tok.add_tokens(["<extra_token>"])
+    other = build_model(str(tmp_path / "other"), tok, num_layers=1, seed=3)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        Engine.from_pretrained(tiny_models["target"], other)
+
+
+def test_ngram_proposer_finds_latest_repeat():
+    prop = NgramProposer(min_n=1, max_n=3)
+    assert prop._lookup([1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert prop._lookup([1, 2, 3], 4) == []

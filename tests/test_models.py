@@ -1,0 +1,63 @@
+"""The shipped model family loads with plain HF calls, generates, and shares one vocabulary."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+MODELS = Path(os.environ.get("MODELZOO_MODELS", Path(__file__).resolve().parent.parent / "models"))
+NAMES = ["target", "draft", "draft-code", "draft-large"]
+SHIPPED = [n for n in NAMES if (MODELS / n / "config.json").exists()]
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tok_target():
+    if "target" not in SHIPPED:
+        pytest.skip("models/target not shipped")
+    return transformers.AutoTokenizer.from_pretrained(str(MODELS / "target"))
+
+
+def test_target_is_shipped():
+    assert "target" in SHIPPED, f"no model under {MODELS}/target"
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_loads_and_generates(name):
+    torch.set_num_threads(1)
+    tok = transformers.AutoTokenizer.from_pretrained(str(MODELS / name))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(MODELS / name), dtype=torch.float32).eval()
+    assert model.config.model_type == "llama"
+    assert model.config.tie_word_embeddings
+    assert tok.eos_token == "<|endoftext|>" and tok.bos_token is not None
+    for prompt in ("It is a truth universally acknowledged, that", "def main(argv=None):\n    "):
+        ids = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        new = out[0, ids["input_ids"].shape[1]:]
+        assert len(new) > 0
+        assert tok.decode(new, skip_special_tokens=True) != "" or tok.decode(new) != ""
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n != "target"])
+def test_draft_shares_target_vocabulary(name, tok_target):
+    tok = transformers.AutoTokenizer.from_pretrained(str(MODELS / name))
+    assert tok.get_vocab() == tok_target.get_vocab()
+    assert tok.eos_token_id == tok_target.eos_token_id and tok.pad_token_id == tok_target.pad_token_id
+    cfg_d = json.loads((MODELS / name / "config.json").read_text())
+    cfg_t = json.loads((MODELS / "target" / "config.json").read_text())
+    assert cfg_d["vocab_size"] == cfg_t["vocab_size"] == len(tok_target)
+
+
+def test_prompt_sets():
+    sizes = {"prose": 64, "code": 64, "repetitive": 32, "long": 16}
+    for name, n in sizes.items():
+        rows = [json.loads(l) for l in (MODELS / "prompts" / f"{name}.jsonl").read_text().splitlines() if l.strip()]
+        assert len(rows) == n and all(r["prompt"].strip() for r in rows), name
+
+
+def test_total_size_under_40mb():
+    total = sum(p.stat().st_size for p in MODELS.rglob("*") if p.is_file())
+    assert total < 40 * 2**20, total
