@@ -65,7 +65,7 @@ class RequestFeatures:
     k: int | None = None
     topology: str | None = None
     objective: str = "latency"
-    traffic_class: TrafficClass | None = None
+    traffic_class: TrafficClass | None = None  # the router's key into the AcceptanceTracker
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ def _plain(regime: str, reason: str) -> RoutingDecision:
     return RoutingDecision(PLAIN_POOL, None, 0, regime, 1.0, reason)
 
 
-def _explicit_spec(ctx: RoutingContext, options: list[_Option], regime: str) -> RoutingDecision:
+def _explicit_spec(ctx: RoutingContext, options: list[_Option]) -> RoutingDecision:
     f = ctx.features
     chosen = [o for o in options if f.topology in (None, o.topology)]
     if not chosen:
@@ -237,19 +237,19 @@ def _explicit_spec(ctx: RoutingContext, options: list[_Option], regime: str) -> 
     cm = ctx.cost_models[opt.topology]
     k = f.k or cm.best_k(opt.batch, ctx.acceptance, ctx.k_max, opt.topology, allow_plain=False).k
     speedup = cm.plain_time_per_token(opt.batch) / cm.spec_time_per_token(opt.batch, k, ctx.acceptance, opt.topology)
-    return RoutingDecision(opt.topology, opt.topology, k, regime, speedup, "speculation requested")
+    return RoutingDecision(opt.topology, opt.topology, k, _regime(ctx, opt), speedup, "speculation requested")
 
 
 def route(ctx: RoutingContext) -> RoutingDecision:
     _validate(ctx)
     f, th = ctx.features, ctx.thresholds
     options = _spec_options(ctx)
+    if f.mode == "speculative" or f.k or f.topology:
+        return _explicit_spec(ctx, options)
     best = max(options, key=lambda o: o.choice.predicted_speedup, default=None)
     regime = _regime(ctx, best)
     if f.mode == "plain" or f.k == 0:
         return _plain(regime, "plain requested")
-    if f.mode == "speculative" or f.k or f.topology:
-        return _explicit_spec(ctx, options, regime)
     if f.objective == "throughput":
         return _plain(regime, "throughput objective: plain batches wider")
     if best is None:

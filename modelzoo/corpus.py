@@ -213,6 +213,9 @@ def _windows_by_tokens(text: str, tok, lo: int, hi: int, rng: random.Random, sta
             continue
         n = rng.randint(lo, hi)
         piece = tok.decode(ids[:n])
+        cut = max(piece.rfind(" "), piece.rfind("\n"))  # end on a word boundary, no trailing space
+        if cut > 0 and len(tok.encode(piece[:cut])) >= lo:
+            piece = piece[:cut]
         if piece.strip():
             return piece
     return None
@@ -230,7 +233,8 @@ def _repetition_score(text: str) -> float:
 
 
 def write_prompts(corpus: Path, out: Path, tokenizer_dir: Path, seed: int = 0) -> dict:
-    """prose.jsonl / code.jsonl: 64 prompts of 32-64 tokens each from the held-out splits;
+    """prose.jsonl / code.jsonl: 64 prompts of 32-64 tokens each from the held-out splits
+    (prose: half Austen, half KJV; cut to end on a word boundary);
     repetitive.jsonl: 32 prompts (~48-128 tokens) chosen for repeated structure (highest
     word-3-gram repetition among held-out windows of all domains: KJV genealogies, code with
     repeated lines, lists); long.jsonl: 16 prompts of 400-600 tokens (8 prose, 8 code)."""
@@ -245,9 +249,14 @@ def write_prompts(corpus: Path, out: Path, tokenizer_dir: Path, seed: int = 0) -
     def collect(docs, n, lo, hi, line):
         res, tries = [], 0
         docs = [d for d in docs if len(d["text"]) > hi * 8]
+        by_src = {}
+        for d in docs:  # sources in equal shares (Austen and KJV for prose)
+            by_src.setdefault(d["source"], []).append(d)
+        srcs = sorted(by_src)
         while len(res) < n and tries < n * 50:
             tries += 1
-            p = _windows_by_tokens(rng.choice(docs)["text"], tok, lo, hi, rng, line)
+            src = srcs[len(res) % len(srcs)]
+            p = _windows_by_tokens(rng.choice(by_src[src])["text"], tok, lo, hi, rng, line)
             if p and p not in res:
                 res.append(p)
         return res

@@ -80,13 +80,13 @@ def step_cost_ms(model, ctx: int = 64, repeats: int = 30, reps_per_sample: int =
         cache = model(input_ids=x, use_cache=True).cache
         for _ in range(5):  # warm-up
             model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos)
-            cache.crop(ctx)
+            cache.crop(-1)  # drop the token just appended: context stays ctx
         out = []
         for _ in range(repeats):
             t = time.perf_counter()
             for _ in range(reps_per_sample):
                 model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos)
-                cache.crop(ctx)
+                cache.crop(-1)  # drop the token just appended: context stays ctx
             out.append((time.perf_counter() - t) * 1000 / reps_per_sample)
     return out
 

@@ -44,6 +44,7 @@ class Spec:
     intermediate: int
     mix: dict = field(default_factory=lambda: {"prose": 0.5, "code": 0.5})  # domain -> share of sequences
     teacher: str | None = None        # distil from models/<teacher> (KL at temperature T + CE)
+    init_layers: list | None = None   # start from the teacher: its embedding, final norm and these layers
     kd_alpha: float = 0.8             # weight of T^2 * KL; (1 - alpha) on CE
     kd_temp: float = 1.5
     lr: float = 2e-3
@@ -55,12 +56,12 @@ class Spec:
 
 FAMILY = {
     "target": Spec(6, 256, 8, 688, lr=2e-3, minutes=75, note="the target: both domains, plain CE"),
-    "draft": Spec(1, 192, 6, 512, teacher="target", lr=3e-3, minutes=14,
-                  note="cheap aligned draft: distilled from the target's logits on both domains"),
+    "draft": Spec(1, 256, 8, 688, teacher="target", init_layers=[0], lr=1e-3, minutes=14,
+                  note="cheap aligned draft: target's embedding + layer 0, distilled from the target's logits on both domains"),
     "draft-code": Spec(1, 128, 4, 384, mix={"code": 1.0}, lr=3e-3, minutes=12,
                        note="domain-mismatch draft: Python code only, plain CE, no target"),
-    "draft-large": Spec(4, 128, 4, 352, teacher="target", lr=3e-3, minutes=14,
-                        note="expensive draft: 4 layers (narrow), distilled from the target"),
+    "draft-large": Spec(4, 256, 8, 688, teacher="target", init_layers=[0, 1, 3, 5], lr=1e-3, minutes=14,
+                        note="expensive draft: target's embedding + layers 0,1,3,5, distilled from the target"),
 }
 
 
@@ -228,6 +229,8 @@ def train_model(name: str, minutes: float | None, threads: int, eval_every_min=4
         for p in teacher.parameters():
             p.requires_grad_(False)
         assert teacher.config.vocab_size == model.config.vocab_size
+        if spec.init_layers:
+            init_from_teacher(model, teacher, spec.init_layers)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -316,11 +319,29 @@ def train_model(name: str, minutes: float | None, threads: int, eval_every_min=4
     return model
 
 
+def init_from_teacher(model, teacher, layers: list):
+    """Copy the teacher's embedding, final norm and the given decoder layers (same width)."""
+    import torch
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
+        model.model.norm.weight.copy_(teacher.model.norm.weight)
+        for i, j in enumerate(layers):
+            model.model.layers[i].load_state_dict(teacher.model.layers[j].state_dict())
+    log(f"initialised from teacher layers {layers}")
+
+
 def export(name: str, model, tok, spec: Spec, state: dict):
+    """save_pretrained with fp16 weights on disk (half the size) and config dtype float32, so that a
+    plain from_pretrained loads fp32 (CPU inference in fp16 is slow)."""
+    import copy
     out = MODELS / name
     out.mkdir(parents=True, exist_ok=True)
-    model.config.use_cache = True
-    model.save_pretrained(str(out), safe_serialization=True)
+    m16 = copy.deepcopy(model).half()
+    m16.config.use_cache = True
+    m16.save_pretrained(str(out), safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tok.save_pretrained(str(out))
     info = {"name": name, "params": n_params(model), "layers": spec.layers, "hidden": spec.hidden,
             "heads": spec.heads, "intermediate": spec.intermediate, "train_tokens": state["tokens"],
@@ -328,6 +349,17 @@ def export(name: str, model, tok, spec: Spec, state: dict):
             "heldout_at_end": state.get("heldout", {})}
     (out / "training.json").write_text(json.dumps(info, indent=2))
     log(f"exported {name} -> {out}")
+
+
+def export_checkpoint(name: str):
+    import torch
+    from transformers import AutoTokenizer
+    c = torch.load(CKPT / f"{name}.pt", weights_only=False)
+    spec = FAMILY[name]
+    tok = AutoTokenizer.from_pretrained(str(DATA / "tokenizer"))
+    model = make_model(spec, tok)
+    model.load_state_dict(c["model"])
+    export(name, model, tok, spec, c["state"])
 
 
 def main(argv=None):
@@ -338,6 +370,7 @@ def main(argv=None):
     ap.add_argument("--minutes", type=float, default=None, help="time budget (default: the model's own)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    ap.add_argument("--export", action="store_true", help="with --model: only export the checkpoint to models/")
     a = ap.parse_args(argv)
     if a.all:
         from modelzoo import corpus
@@ -350,6 +383,8 @@ def main(argv=None):
     if a.all:
         for name in FAMILY:  # target first: the distilled drafts need it
             train_model(name, a.minutes, a.threads, fresh=a.fresh)
+    elif a.model and a.export:
+        export_checkpoint(a.model)
     elif a.model:
         train_model(a.model, a.minutes, a.threads, fresh=a.fresh)
     elif not a.tokenizer:

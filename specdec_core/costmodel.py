@@ -20,13 +20,13 @@ speculation lose at large batch.
 
 Costs come either from timing the models (`calibrate`) or, for hardware we do
 not have, from a roofline (`roofline_costs`); both give a `StepCosts` that the
-same `CostModel` answers from. Pure: no I/O, no torch.
+same `CostModel` answers from. `adaptive_k` re-chooses K per step inside a
+speculative replica from the same model. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdec_core.detokenizer import DetokenizerState, detokenize_incrementally
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from specdec_core.runner import ModelRunner, load_tokenizer
 from specdec_core.stats import RequestStats
@@ -86,7 +87,8 @@ class _Request:
     arrival: float
     tokens: list[int] = field(default_factory=list)  # prompt + output: the authoritative history
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # decoded output; final (full decode, stop string cut) once finished
+    detok: DetokenizerState = field(default_factory=DetokenizerState)
     sent_tokens: int = 0
     sent_text: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
@@ -235,13 +237,16 @@ class Engine:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream_text: bool = True) -> list[RequestOutput]:
+        """Run one engine step. ``stream_text=False`` skips per-step detokenization (the text is
+        then only set on a request's final output), for callers that only want finished results."""
         t0 = time.perf_counter()
         timing = StepTiming()
         while self._incoming:
             self._waiting.append(self._incoming.popleft())
         outputs = self._process_aborts()
-        decoding = list(self._running)
+        # Rows in slot order: a run of consecutive slots is read as a view, not gathered.
+        decoding = sorted(self._running, key=lambda r: self.verifier.slots.slot(r.request_id))
         admitted = []
         while self._waiting and len(self._running) < self.max_batch_size and self.target.num_free_slots:
             req = self._waiting.popleft()
@@ -261,7 +266,7 @@ class Engine:
         self.last_step = timing
         for req in decoding:
             req.stats.decode_s += timing.total_s - timing.prefill_s
-        outputs += [self._output(r) for r in admitted + decoding]
+        outputs += [self._output(r, stream_text) for r in admitted + decoding]
         self._running = [r for r in self._running if r.finish_reason is None]
         return outputs
 
@@ -338,18 +343,23 @@ class Engine:
     def _hit_stop_string(self, req: _Request) -> bool:
         if not req.params.stop:
             return False
-        req.text = self._decode_text(req.output_ids)
-        window = max(len(s) for s in req.params.stop) + 8
-        tail_start = max(0, len(req.text) - window)
-        hits = [i for s in req.params.stop if (i := req.text.find(s, tail_start)) >= 0]
-        if hits:
-            req.text = req.text[: min(hits)]
-            return True
-        return False
+        req.text += detokenize_incrementally(self.tokenizer, req.output_ids, req.detok)
+        return self._stop_index(req.text, req.params.stop) is not None
+
+    @staticmethod
+    def _stop_index(text: str, stops: Sequence[str]) -> int | None:
+        window = max(len(s) for s in stops) + 8  # a stop string can only end in the newest text
+        tail_start = max(0, len(text) - window)
+        hits = [i for s in stops if (i := text.find(s, tail_start)) >= 0]
+        return min(hits) if hits else None
 
     def _finish(self, req: _Request, reason: str) -> None:
         req.finish_reason = reason
         req.stats.latency_s = time.perf_counter() - req.arrival
+        req.text = self._decode_text(req.output_ids)
+        if req.params.stop:
+            cut = self._stop_index(req.text, req.params.stop)
+            req.text = req.text if cut is None else req.text[:cut]
         self.verifier.release(req.request_id)
         if self.proposer is not None:
             self.proposer.release(req.request_id)
@@ -375,19 +385,16 @@ class Engine:
     def _decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, req: _Request, stream_text: bool = True) -> RequestOutput:
         finished = req.finish_reason is not None
-        if not (req.params.stop and finished):  # a stop string already cut the text
-            req.text = self._decode_text(req.output_ids)
+        if stream_text and not finished and not req.params.stop:  # with stop strings _commit already advanced the text
+            req.text += detokenize_incrementally(self.tokenizer, req.output_ids, req.detok)
         req.stats.output_tokens = len(req.output_ids)
-        # Hold back a trailing partial UTF-8 character until its bytes arrive.
-        visible = req.text if finished else req.text.rstrip("\ufffd")
-        new_text = visible[req.sent_text :] if len(visible) > req.sent_text else ""
         new_ids = req.output_ids[req.sent_tokens :]
-        req.sent_text = max(req.sent_text, len(visible))
-        req.sent_tokens = len(req.output_ids)
+        new_text = req.text[req.sent_text :]
+        req.sent_tokens, req.sent_text = len(req.output_ids), max(req.sent_text, len(req.text))
         return RequestOutput(
-            req.request_id, list(req.output_ids), visible, finished, req.finish_reason, req.stats, new_ids, new_text
+            req.request_id, list(req.output_ids), req.text, finished, req.finish_reason, req.stats, new_ids, new_text
         )
 
     # ---- convenience -------------------------------------------------------------------------
@@ -423,7 +430,7 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         done: dict[str, RequestOutput] = {}
         while self.has_work():
-            for out in self.step():
+            for out in self.step(stream_text=False):
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]

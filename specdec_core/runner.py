@@ -10,6 +10,7 @@ other's state.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 import time
 
@@ -66,7 +67,7 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.num_params = sum(p.numel() for p in model.parameters())
         self._lengths = [0] * max_slots
-        self._free = list(range(max_slots - 1, -1, -1))
+        self._free = list(range(max_slots))  # a heap: lowest slot first keeps batches contiguous
 
     @classmethod
     def from_pretrained(
@@ -101,7 +102,7 @@ class ModelRunner:
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError(f"{self.name}: all {self.cache.num_slots} KV slots are in use")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._lengths[slot] = 0
         return slot
 
@@ -109,7 +110,7 @@ class ModelRunner:
         if slot in self._free:
             raise RuntimeError(f"{self.name}: slot {slot} freed twice")
         self._lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def length(self, slot: int) -> int:
         return self._lengths[slot]
@@ -154,9 +155,11 @@ class ModelRunner:
         mask = torch.arange(kv_len, device=dev).view(1, 1, 1, -1) <= positions.view(batch, 1, q_max, 1)
         start = slots[0]
         contiguous = slots == list(range(start, start + batch))
+        slots_t = torch.tensor(slots, device=dev)
+        write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.max_len))  # [B, Q]
         self.cache.layout = StepLayout(
-            slots=torch.tensor(slots, device=dev),
-            write_pos=torch.where(valid, positions, torch.full_like(positions, self.cache.max_len)),
+            slots=slots_t,
+            write_rows=(slots_t.unsqueeze(-1) * (self.cache.max_len + 1) + write_pos).view(-1),
             kv_len=kv_len,
             contiguous_from=start if contiguous else None,
         )

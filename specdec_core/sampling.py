@@ -39,16 +39,18 @@ def process_logits(
     shape = (-1,) + (1,) * (extra_dims + 1)
     temps = temperature.to(logits.device, torch.float32).view(shape)
     greedy = temps == 0
+    one_hot = None
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        if bool(greedy.all()):
+            return one_hot
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)
     if top_k is not None:
         scaled = _apply_top_k(scaled, top_k.to(logits.device).view(shape))
     if top_p is not None:
         scaled = _apply_top_p(scaled, top_p.to(logits.device, torch.float32).view(shape))
     probs = torch.softmax(scaled, dim=-1)
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy, one_hot, probs)
-    return probs
+    return probs if one_hot is None else torch.where(greedy, one_hot, probs)
 
 
 def _apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -93,6 +95,17 @@ def rejection_sample(
     bonus token (all K accepted); the rest of the row is -1.
     """
     _validate(draft_token_ids, draft_probs, target_probs)
+    return rejection_sample_unchecked(draft_token_ids, draft_probs, target_probs, generator)
+
+
+def rejection_sample_unchecked(
+    draft_token_ids: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor,  # [B, K, V]
+    target_probs: torch.Tensor,  # [B, K+1, V]
+    generator: torch.Generator | None = None,
+) -> torch.LongTensor:  # [B, K+1]
+    """``rejection_sample`` without input validation, for the engine's hot path (its inputs come
+    from ``process_logits`` and the proposers, so they are distributions by construction)."""
     batch, k = draft_token_ids.shape
     device = target_probs.device
     draft_token_ids = draft_token_ids.to(device)

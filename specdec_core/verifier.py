@@ -19,7 +19,7 @@ import torch
 
 from specdec_core.proposers.base import Proposal
 from specdec_core.runner import ModelRunner
-from specdec_core.sampling import process_logits, rejection_sample
+from specdec_core.sampling import process_logits, rejection_sample_unchecked, sample_categorical
 from specdec_core.slots import SequenceSlots
 
 
@@ -96,11 +96,18 @@ class Verifier:
         return out
 
     def _sample_rows(self, rows, items, k, target_probs, generator, out) -> None:
+        if k == 0:  # plain rows: rejection sampling with K=0 is sampling p at the bonus position
+            p = target_probs[rows, 0]  # [R, V]
+            greedy = items[rows[0]].temperature == 0  # greedy rows come grouped, p one-hot
+            tokens = p.argmax(-1) if greedy else sample_categorical(p, generator)
+            for i, token in zip(rows, tokens.tolist()):
+                out[i] = [token]
+            return
         vocab = target_probs.shape[-1]
         ids = torch.tensor([items[i].proposal.token_ids for i in rows], dtype=torch.long).view(len(rows), k)
         q = torch.stack([_draft_probs(items[i].proposal, vocab) for i in rows])  # [R, K, V]
         p = target_probs[rows, : k + 1]  # [R, K+1, V]
-        sampled = rejection_sample(ids, q, p, generator)
+        sampled = rejection_sample_unchecked(ids, q, p, generator)
         for row, i in enumerate(rows):
             toks = sampled[row]
             out[i] = toks[toks >= 0].tolist()

@@ -1,0 +1,59 @@
+"""The application builder named in serve_config.yaml (``import_path: deployments.app:build_app``).
+
+    plain pool      EngineReplica(speculative=False)       deployment "PlainPool"
+    co-located pool EngineReplica(speculative=True)        deployment "ColocatedPool"
+    separate        Draft + Target (session affinity)      deployments "Draft", "Target"
+    ingress         Router (FastAPI, OpenAI API)           deployment "Router"
+
+A pool whose ``num_replicas`` is 0 (or that needs a draft when ``draft`` is null) is left out; the
+router routes around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deployments.config import AppConfig, DeploymentOptions
+from deployments.draft import Draft
+from deployments.engine_replica import EngineReplica
+from deployments.router import Router
+from deployments.session_router import SessionAffinityRouter
+from deployments.target import Target
+
+
+def _options(opts: DeploymentOptions, name: str, **extra: Any) -> dict:
+    return dict(
+        name=name,
+        num_replicas=opts.num_replicas,
+        max_ongoing_requests=opts.max_ongoing_requests,
+        ray_actor_options={"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
+        **extra,
+    )
+
+
+def _affinity() -> RequestRouterConfig:
+    return RequestRouterConfig(request_router_class=SessionAffinityRouter)
+
+
+def build_app(args: dict | None = None) -> Application:
+    cfg = AppConfig(**(args or {})).resolved()
+    config = cfg.model_dump()
+    handles: dict[str, Any] = {}
+    if cfg.has_plain:
+        handles["plain"] = serve.deployment(EngineReplica).options(**_options(cfg.plain, "PlainPool")).bind(
+            config, False, "plain")
+    if cfg.has_colocated:
+        handles["colocated"] = serve.deployment(EngineReplica).options(
+            **_options(cfg.colocated, "ColocatedPool")).bind(config, True, "colocated")
+    if cfg.has_separate:
+        handles["draft"] = serve.deployment(Draft).options(
+            **_options(cfg.draft_deployment, "Draft", request_router_config=_affinity())).bind(config)
+        handles["target"] = serve.deployment(Target).options(
+            **_options(cfg.target_deployment, "Target", request_router_config=_affinity())).bind(config)
+    router_opts = cfg.router.model_copy(update={
+        "max_ongoing_requests": max(cfg.router.max_ongoing_requests, cfg.max_inflight_requests + 16)})
+    return serve.deployment(Router).options(**_options(router_opts, "Router")).bind(config, **handles)

@@ -1,0 +1,125 @@
+"""The application config: one pydantic model, one described field per option.
+
+``build_app(args)`` validates ``args`` (the ``args:`` block of serve_config.yaml) against
+``AppConfig``; unknown keys are an error, so a typo cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class DeploymentOptions(BaseModel):
+    """Ray Serve options of one deployment. ``num_cpus`` and ``num_gpus`` always travel together
+    (a Serve ``ray_actor_options`` override replaces the whole dict, DESIGN.md section 4)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(1, ge=0, description="Replicas of this deployment; 0 disables it (not for the router).")
+    num_cpus: float = Field(0.2, ge=0, description="CPUs reserved per replica (fractional is fine on small machines).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; keep 0 on a machine without a GPU, "
+                                                   "otherwise the app stays DEPLOYING forever.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Serve's per-replica cap on concurrent calls; too small makes a latency cliff."
+    )
+
+
+def _opts(**kw) -> DeploymentOptions:
+    return DeploymentOptions(**kw)
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # ---- models ---------------------------------------------------------------------------------
+    target: str = Field("models/target", description="Target model: local path (relative paths resolve against "
+                                                     "the working directory, then the project root) or hub name.")
+    draft: str | None = Field("models/draft", description="Draft model sharing the target's tokenizer; null "
+                                                          "disables the co-located and separate speculative pools.")
+    model_name: str = Field("specdec", description="The model id clients send in `model` and /v1/models lists.")
+    device: str | None = Field(None, description="Torch device for the models (default: cuda if visible, else cpu).")
+    dtype: str | None = Field(None, description="Torch dtype name (default: bfloat16 on CUDA, float32 on CPU).")
+    max_model_len: int = Field(512, ge=8, description="Context limit in tokens (prompt + output) per request.")
+    max_batch_size: int = Field(32, ge=1, description="KV slots per replica: sequences one replica decodes at once.")
+    trust_remote_code: bool = Field(False, description="Pass trust_remote_code to transformers when loading.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
+
+    # ---- speculation ----------------------------------------------------------------------------
+    default_k: int = Field(4, ge=1, le=16, description="K used when a speculative request does not give one.")
+    k_max: int = Field(8, ge=1, le=16, description="Largest K a request may ask for.")
+    auto_max_running: int = Field(4, ge=0, description="mode=auto speculates (co-located) only while that pool "
+                                                       "runs fewer requests than this (placeholder rule, see "
+                                                       "router.choose_route).")
+    auto_max_temperature: float = Field(0.7, ge=0, description="mode=auto speculates only at or below this "
+                                                               "temperature (placeholder rule).")
+    verify_max_batch_size: int = Field(32, ge=1, description="Target: most verify calls fused into one forward.")
+    verify_batch_wait_s: float = Field(0.002, ge=0, description="Target/Draft: how long @serve.batch waits to fill "
+                                                                "a batch after its first call.")
+
+    # ---- API --------------------------------------------------------------------------------------
+    max_inflight_requests: int = Field(64, ge=1, description="Requests the router serves at once; above it new "
+                                                             "requests get 503 instead of queueing unboundedly.")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion that gives none (OpenAI: 16).")
+    chat_default_max_tokens: int = Field(256, ge=1, description="max_tokens of a chat completion that gives none "
+                                                                "(capped by the context left after the prompt).")
+
+    # ---- deployments ------------------------------------------------------------------------------
+    router: DeploymentOptions = Field(
+        default_factory=lambda: _opts(num_cpus=0.1, max_ongoing_requests=1024),
+        description="The HTTP ingress (tokenizes, routes, runs the separate topology's loop).",
+    )
+    plain: DeploymentOptions = Field(default_factory=lambda: _opts(num_cpus=0.3),
+                                     description="Plain pool: EngineReplica without a draft.")
+    colocated: DeploymentOptions = Field(default_factory=lambda: _opts(num_cpus=0.3),
+                                         description="Co-located speculative pool: EngineReplica with draft + target.")
+    draft_deployment: DeploymentOptions = Field(default_factory=lambda: _opts(num_cpus=0.2),
+                                                description="Separate topology: the Draft deployment.")
+    target_deployment: DeploymentOptions = Field(default_factory=lambda: _opts(num_cpus=0.3),
+                                                 description="Separate topology: the Target deployment.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        if self.router.num_replicas < 1:
+            raise ValueError("router.num_replicas must be >= 1")
+        if self.default_k > self.k_max:
+            raise ValueError(f"default_k ({self.default_k}) > k_max ({self.k_max})")
+        if (self.draft_deployment.num_replicas > 0) != (self.target_deployment.num_replicas > 0):
+            raise ValueError("the separate topology needs both draft_deployment and target_deployment replicas")
+        if not (self.plain.num_replicas or self.colocated.num_replicas or self.target_deployment.num_replicas):
+            raise ValueError("no pool has replicas")
+        return self
+
+    # ---- derived ----------------------------------------------------------------------------------
+    @property
+    def has_plain(self) -> bool:
+        return self.plain.num_replicas > 0
+
+    @property
+    def has_colocated(self) -> bool:
+        return self.draft is not None and self.colocated.num_replicas > 0
+
+    @property
+    def has_separate(self) -> bool:
+        return self.draft is not None and self.target_deployment.num_replicas > 0
+
+    def resolved(self) -> "AppConfig":
+        """A copy with local model paths made absolute, so replicas find them whatever their cwd."""
+        return self.model_copy(update={"target": resolve_model_path(self.target),
+                                       "draft": resolve_model_path(self.draft) if self.draft else None})
+
+
+def resolve_model_path(path: str) -> str:
+    """cwd-relative if it exists there, else project-root-relative if it exists there, else unchanged
+    (a hub name, or a path that fails loudly at load time)."""
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return str(p)
+    for base in (Path.cwd(), _PROJECT_ROOT):
+        if (base / p).exists():
+            return str((base / p).resolve())
+    return path

@@ -1,0 +1,120 @@
+"""EngineReplica: one ``specdec_core.AsyncEngine`` per replica, continuous batching in-process.
+
+Configured with a draft it is the co-located speculative pool (draft and target share the process
+and every step's batch); without one it is the plain pool. The same class is deployed twice under
+different names (see app.py). The engine owns each request's history; this class only translates
+between the router's plain-dict requests and the engine, and reports load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import AsyncIterator
+
+import torch
+from ray import serve
+
+from deployments.config import AppConfig
+from specdec_core import AsyncEngine, Engine, SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+
+def sampling_params(req: dict) -> SamplingParams:
+    """The router's request dict -> engine SamplingParams (the router already validated it)."""
+    return SamplingParams(
+        max_new_tokens=int(req["max_tokens"]),
+        temperature=float(req["temperature"]),
+        top_p=float(req["top_p"]),
+        top_k=int(req.get("top_k", 0)),
+        seed=req.get("seed"),
+        stop=tuple(req.get("stop") or ()),
+        ignore_eos=bool(req.get("ignore_eos", False)),
+        num_speculative_tokens=int(req.get("k", 0)),
+    )
+
+
+class EngineReplica:
+    def __init__(self, config: dict, speculative: bool, pool: str):
+        cfg = AppConfig(**config)
+        torch.set_num_threads(cfg.torch_threads)
+        self.pool = pool
+        self.speculative = speculative
+        engine = Engine.from_pretrained(
+            target=cfg.target,
+            draft=cfg.draft if speculative else None,
+            proposer="draft" if speculative else None,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            max_batch_size=cfg.max_batch_size,
+            max_model_len=cfg.max_model_len,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        self.engine = AsyncEngine(engine)
+        self._served = 0
+        logger.info("EngineReplica(%s) ready: target=%s draft=%s slots=%d max_len=%d", pool, cfg.target,
+                    cfg.draft if speculative else None, engine.target.num_slots, engine.max_model_len)
+
+    async def generate(self, req: dict) -> AsyncIterator[dict]:
+        """Stream one request (call with ``handle.options(stream=True)``). ``req``: prompt_ids,
+        max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, request_id.
+
+        Yields {"token_ids", "text", "finished", "finish_reason", "stats"} deltas; stats (a
+        ``RequestStats.as_dict()``) only on the last. Leaving early (caller cancels, client gone)
+        aborts the request inside the engine and frees its slots."""
+        params = sampling_params(req)
+        t0 = time.perf_counter()
+        last = None
+        stream = self.engine.stream(req["prompt_ids"], params, req.get("request_id"))
+        try:
+            async for out in stream:
+                last = out
+                yield {
+                    "token_ids": out.new_token_ids,
+                    "text": out.new_text,
+                    "finished": out.finished,
+                    "finish_reason": out.finish_reason,
+                    "stats": out.stats.as_dict() if out.finished else None,
+                }
+        finally:
+            await stream.aclose()  # early exit: aborts the request in the engine, frees its slots
+            self._served += 1
+            s = last.stats if last is not None else None
+            logger.info(
+                "request %s pool=%s mode=%s topology=%s k=%d prompt=%d output=%d proposed=%d accepted=%d "
+                "acceptance=%.3f mean_len=%.2f latency=%.3fs finish=%s",
+                req.get("request_id"), self.pool, "speculative" if params.num_speculative_tokens else "plain",
+                "colocated" if params.num_speculative_tokens else None, params.num_speculative_tokens,
+                len(req["prompt_ids"]), s.output_tokens if s else 0, s.proposed if s else 0,
+                s.accepted if s else 0, s.acceptance_rate if s else 0.0, s.mean_acceptance_length if s else 1.0,
+                time.perf_counter() - t0, (last.finish_reason if last is not None and last.finished else "abort"),
+            )
+
+    async def stats(self) -> dict:
+        """Load and state: what the router and the tests read."""
+        e = self.engine.engine
+        return {
+            "pool": self.pool,
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "running": e.num_running,
+            "waiting": e.num_waiting,
+            "free_slots": e.target.num_free_slots,
+            "total_slots": e.target.num_slots,
+            "sessions": len(e.verifier.slots) + (e.proposer.num_sequences() if e.proposer is not None else 0),
+            "target_sessions": len(e.verifier.slots),
+            "draft_sessions": e.proposer.num_sequences() if e.proposer is not None else 0,
+            "draft_free_slots": e.proposer.runner.num_free_slots if hasattr(e.proposer, "runner") else None,
+            "streams": len(self.engine._streams),
+            "served": self._served,
+        }
+
+    def check_health(self) -> None:
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("engine loop thread died")
+
+    def __del__(self):
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,649 @@
+"""The HTTP ingress: OpenAI-compatible API, routing, and the separate topology's step loop.
+
+Per request: validate -> tokenize (chat: the tokenizer's chat template, or the fallback below) ->
+``choose_route`` -> run on one of three paths -> detokenize / stream.
+
+- plain pool: ``EngineReplica`` without a draft (``handle.options(stream=True).generate``).
+- co-located pool: ``EngineReplica`` with draft + target in one process, same call.
+- separate topology: this router runs the speculative loop. Per step it calls
+  ``Draft.propose(session, history, K, sampling)`` and passes the returned DeploymentResponse,
+  unawaited, into ``Target.verify(session, history, proposal, sampling)``; it appends the outcome
+  to the request's history, which it owns (the replicas hold only soft KV state keyed by session
+  and reconcile against the history they receive). Both handles are pinned to the session's
+  replicas by ``SessionAffinityRouter``. A failed propose degrades the rest of the request to plain
+  verify steps; the request is never lost. ``release`` goes to both sides when the request ends,
+  whether it finished, failed or its client went away.
+
+Chat fallback template (tokenizers without ``chat_template``): every message is rendered as
+``"<role>: <content>\\n"`` and the prompt ends with ``"assistant:"``.
+
+Overload: at most ``max_inflight_requests`` requests are served at once; more get 503 at once
+(OpenAI error body) instead of an unbounded backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import AsyncIterator, Mapping, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments import schemas
+from deployments.config import AppConfig
+from deployments.session_router import fresh_internal_request_id, pinned_gather
+from specdec_core import RequestStats, SamplingParams
+from specdec_core.engine import _eos_ids
+
+logger = logging.getLogger("ray.serve")
+
+POOLS = ("plain", "colocated", "separate")
+
+# ---- routing decision ---------------------------------------------------------------------------
+# Field names follow autoscaling/routing.py so its `route()` can replace choose_route's body.
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    prompt_tokens: int = 0
+    mode: str = "auto"  # "auto" | "speculative" | "plain"
+    k: Optional[int] = None  # requested K; None: router's choice
+    topology: Optional[str] = None  # requested "colocated" | "separate" | None
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    active: int = 0  # requests this router has running in the pool
+    queued: int = 0
+    replicas: int = 1
+    capacity: int = 32  # sequences one replica decodes at once (KV slots)
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    default_k: int = 4
+    k_max: int = 8
+    auto_max_running: int = 4
+    auto_max_temperature: float = 0.7
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    pool: str  # "plain" | "colocated" | "separate"
+    topology: Optional[str]  # None for plain decoding
+    k: int  # 0: plain decoding
+    regime: str = "unknown"
+    predicted_speedup: Optional[float] = None
+    reason: str = ""
+
+
+class RouteError(ValueError):
+    """Inconsistent or unservable speculation fields: HTTP 400."""
+
+
+def choose_route(features: RequestFeatures, loads: Mapping[str, PoolLoad], settings: RouteSettings) -> RouteDecision:
+    """Where this request runs, with which K. ``loads`` holds only the pools that have replicas.
+
+    Explicit fields win: mode "plain" or K=0 -> plain decoding; mode "speculative", K>0 or a
+    topology -> speculation in that topology (default co-located), K from the request or
+    ``default_k``. mode "auto" (placeholder rule, to be replaced by autoscaling/routing.py's
+    cost-model policy): speculate co-located with ``default_k`` while the co-located pool runs
+    fewer than ``auto_max_running`` requests and temperature <= ``auto_max_temperature``; else plain.
+    Plain decoding prefers the plain pool and falls back to a speculative pool with K=0.
+    """
+    f, s = features, settings
+    if f.mode not in ("auto", "speculative", "plain"):
+        raise RouteError(f"speculation.mode must be 'auto', 'speculative' or 'plain', got {f.mode!r}")
+    if f.k is not None and not 0 <= f.k <= s.k_max:
+        raise RouteError(f"speculation.num_speculative_tokens must be in [0, {s.k_max}], got {f.k}")
+    if f.topology is not None and f.topology not in ("colocated", "separate"):
+        raise RouteError(f"speculation.topology must be 'colocated' or 'separate', got {f.topology!r}")
+    if f.mode == "plain" and (f.k or f.topology):
+        raise RouteError("speculation.mode 'plain' conflicts with num_speculative_tokens > 0 or a topology")
+    if f.k == 0 and (f.mode == "speculative" or f.topology):
+        raise RouteError("num_speculative_tokens 0 means plain decoding; it conflicts with speculation")
+
+    def plain(regime: str, reason: str) -> RouteDecision:
+        for pool in POOLS:  # plain pool first; a spec pool decodes plain with K=0
+            if pool in loads:
+                return RouteDecision(pool, None, 0, regime, 1.0, reason)
+        raise RouteError("no pool is deployed")
+
+    if f.mode == "plain" or f.k == 0:
+        return plain("unknown", "plain requested")
+    if f.mode == "speculative" or f.k or f.topology:
+        wanted = [f.topology] if f.topology else ["colocated", "separate"]
+        for t in wanted:
+            if t in loads:
+                return RouteDecision(t, t, f.k or s.default_k, "unknown", None, "speculation requested")
+        raise RouteError(f"no speculative pool deployed for topology {f.topology or 'any'}")
+    # mode == "auto"
+    if "colocated" not in loads:
+        return plain("unknown", "no co-located pool")
+    if f.temperature > s.auto_max_temperature:
+        return plain("high_entropy", f"temperature {f.temperature} > {s.auto_max_temperature}")
+    if loads["colocated"].active >= s.auto_max_running:
+        return plain("large_batch", f"co-located pool runs {loads['colocated'].active} >= {s.auto_max_running}")
+    return RouteDecision("colocated", "colocated", s.default_k, "unknown", None, "auto: low load, low temperature")
+
+
+# ---- API errors -----------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(schemas.error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative decoding service")
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError):
+    return exc.response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in errors)
+    return JSONResponse(schemas.error_body(message or "invalid request", "invalid_request_error",
+                                           ".".join(loc) or None, "invalid_value"), status_code=400)
+
+
+# ---- the separate topology's request state ----------------------------------------------------------
+
+
+class SeparateRequest:
+    """The authoritative history of one separate-topology request and its stopping rules: EOS,
+    token budget and stop strings, applied token by token exactly as ``Engine._commit`` does, so
+    greedy output matches the engine's (tests/test_serve_app.py checks it)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer, eos_ids: set[int]):
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.tokens = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+        self._sent_tokens = 0
+        self._sent_text = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def next_k(self, k: int, max_len: int) -> int:
+        remaining = self.params.max_new_tokens - len(self.output_ids)
+        room = max_len - len(self.tokens)
+        return max(0, min(k, remaining - 1, room))
+
+    def commit(self, emitted: list[int]) -> None:
+        for token in emitted:
+            if token in self.eos_ids and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+                return
+            self.tokens.append(token)
+            self.output_ids.append(token)
+            if self._hit_stop_string():
+                self.finish_reason = "stop"
+                return
+            if len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                return
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+
+    def _hit_stop_string(self) -> bool:
+        if not self.params.stop:
+            return False
+        self.text = self._decode()
+        window = max(len(s) for s in self.params.stop) + 8
+        tail = max(0, len(self.text) - window)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, tail)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def delta(self) -> dict:
+        if not (self.params.stop and self.finished):
+            self.text = self._decode()
+        self.stats.output_tokens = len(self.output_ids)
+        visible = self.text if self.finished else self.text.rstrip("\ufffd")
+        new_text = visible[self._sent_text:] if len(visible) > self._sent_text else ""
+        new_ids = self.output_ids[self._sent_tokens:]
+        self._sent_text = max(self._sent_text, len(visible))
+        self._sent_tokens = len(self.output_ids)
+        return {"token_ids": new_ids, "text": new_text, "finished": self.finished,
+                "finish_reason": self.finish_reason, "stats": self.stats.as_dict() if self.finished else None}
+
+
+class _Admission:
+    """One in-flight slot of the router's bounded queue; released exactly once."""
+
+    def __init__(self, router: "Router"):
+        self._router = router
+        self._released = False
+        router._inflight += 1
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._router._inflight -= 1
+
+    def __del__(self):  # a stream whose body never started still gives its slot back
+        self.release()
+
+
+@dataclass
+class _Plan:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decision: RouteDecision
+    model: str
+    chat: bool
+    return_token_ids: bool
+    include_usage: bool
+
+
+# ---- the ingress deployment ------------------------------------------------------------------------------
+
+
+@serve.ingress(app)
+class Router:
+    def __init__(
+        self,
+        config: dict,
+        plain: Optional[DeploymentHandle] = None,
+        colocated: Optional[DeploymentHandle] = None,
+        draft: Optional[DeploymentHandle] = None,
+        target: Optional[DeploymentHandle] = None,
+    ):
+        from transformers import AutoConfig, GenerationConfig
+
+        from specdec_core.runner import load_tokenizer
+
+        self.cfg = AppConfig(**config)
+        self._pools: dict[str, DeploymentHandle] = {}
+        if plain is not None:
+            self._pools["plain"] = plain
+        if colocated is not None:
+            self._pools["colocated"] = colocated
+        self._draft, self._target = draft, target
+        self._replicas = {"plain": self.cfg.plain.num_replicas, "colocated": self.cfg.colocated.num_replicas,
+                          "separate": self.cfg.target_deployment.num_replicas}
+        self.tokenizer = load_tokenizer(self.cfg.target, self.cfg.trust_remote_code)
+        model_cfg = AutoConfig.from_pretrained(self.cfg.target, trust_remote_code=self.cfg.trust_remote_code)
+        self.vocab_size = int(model_cfg.vocab_size)
+        self.max_model_len = min(self.cfg.max_model_len,
+                                 getattr(model_cfg, "max_position_embeddings", None) or self.cfg.max_model_len)
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(self.cfg.target)
+        except Exception:  # noqa: BLE001 - checkpoints without generation_config.json
+            gen_cfg = None
+        self.eos_ids = _eos_ids(self.tokenizer, SimpleNamespace(generation_config=gen_cfg))
+        self.settings = RouteSettings(self.cfg.default_k, self.cfg.k_max, self.cfg.auto_max_running,
+                                      self.cfg.auto_max_temperature)
+        self._inflight = 0
+        self._active = {p: 0 for p in POOLS}
+        self._background: set[asyncio.Task] = set()
+        self._created = schemas.now()
+        logger.info("Router ready: pools=%s separate=%s max_len=%d", list(self._pools), self._target is not None,
+                    self.max_model_len)
+
+    # ---- HTTP endpoints ----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": self._created,
+                                            "owned_by": "specdec-serve", "max_model_len": self.max_model_len}]}
+
+    @app.get("/v1/stats")
+    async def http_stats(self) -> dict:
+        return await self.pool_stats()
+
+    @app.post("/v1/completions")
+    async def completions(self, body: schemas.CompletionRequest):
+        if body.echo:
+            raise bad_request("echo is not supported", "echo")
+        if body.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if body.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported", "best_of")
+        if body.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request("only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self._encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size}); got {bad[:5]}", "prompt",
+                                  "invalid_token_id")
+        return await self._serve(body, ids, body.max_tokens, self.cfg.default_max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: schemas.ChatCompletionRequest):
+        if body.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        ids = self._encode_chat(messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await self._serve(body, ids, max_tokens, self.cfg.chat_default_max_tokens, chat=True)
+
+    # ---- handle-only methods (tests, operators) ---------------------------------------------------------
+
+    async def pool_stats(self) -> dict:
+        """stats() of every deployment's replicas. Engine pools: one call per replica; Draft/Target:
+        one pinned call per replica, found by probing session ids (affinity decides placement)."""
+        out: dict = {"router": {"inflight": self._inflight, "active": dict(self._active),
+                                "background": len(self._background)}}
+        for name, handle in self._pools.items():
+            out[name] = [await handle.stats.remote() for _ in range(max(1, self._replicas[name]))]
+        if self._target is not None:
+            for name, handle, n in (("draft", self._draft, self.cfg.draft_deployment.num_replicas),
+                                    ("target", self._target, self.cfg.target_deployment.num_replicas)):
+                probes = [f"__stats-probe-{i}" for i in range(max(8, 8 * n))]
+                placed = await pinned_gather(*(lambda s=s: handle.options(session_id=s).where.remote(s)
+                                               for s in probes))
+                one_per_replica = {p["replica"]: s for s, p in zip(probes, placed)}
+                out[name] = await pinned_gather(*(lambda s=s: handle.options(session_id=s).stats.remote()
+                                                  for s in one_per_replica.values()))
+        return out
+
+    async def probe_sessions(self, deployment: str, session_ids: list[str], fresh_ids: bool = True,
+                             timeout_s: float = 30.0) -> dict:
+        """Concurrent pinned ``where`` calls from inside this one request (the 2.60 gather bug's
+        shape). -> {"placement": [{"replica", "holds"}...]} or {"timed_out": True}."""
+        handle = {"draft": self._draft, "target": self._target}[deployment]
+        calls = [lambda s=s: handle.options(session_id=s).where.remote(s) for s in session_ids]
+        try:
+            placement = await asyncio.wait_for(pinned_gather(*calls, fresh_ids=fresh_ids), timeout_s)
+        except asyncio.TimeoutError:
+            return {"timed_out": True}
+        return {"placement": placement}
+
+    # ---- request handling -----------------------------------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self._encode(text)
+
+    def _plan(self, body, ids: list[int], max_tokens: Optional[int], default_max: int, chat: bool) -> _Plan:
+        if body.model is not None and body.model != self.cfg.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+        if body.n != 1:
+            raise bad_request("only n=1 is supported", "n")
+        if not ids:
+            raise bad_request("the prompt is empty", "messages" if chat else "prompt")
+        stops = body.stop_list()
+        if len(stops) > 4:
+            raise bad_request("at most 4 stop sequences", "stop")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise APIError(413, f"the prompt has {len(ids)} tokens; the context limit is {limit} tokens "
+                                f"(prompt + at least one output token)", "invalid_request_error",
+                           "messages" if chat else "prompt", "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default_max, limit - len(ids))
+        elif len(ids) + max_tokens > limit:
+            raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
+                              f"of {limit} tokens", "max_tokens", "context_length_exceeded")
+        spec = body.speculation or schemas.SpeculationOptions()
+        features = RequestFeatures(body.temperature, body.top_p, max_tokens, len(ids), spec.mode,
+                                   spec.num_speculative_tokens, spec.topology)
+        loads = {p: PoolLoad(self._active[p], 0, self._replicas[p], self.cfg.max_batch_size)
+                 for p in POOLS if p in self._pools or (p == "separate" and self._target is not None)}
+        try:
+            decision = choose_route(features, loads, self.settings)
+        except RouteError as exc:
+            raise bad_request(str(exc), "speculation") from None
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                top_k=body.top_k, seed=body.seed, stop=tuple(stops), ignore_eos=body.ignore_eos,
+                                num_speculative_tokens=decision.k)
+        prefix = "chatcmpl" if chat else "cmpl"
+        return _Plan(schemas.new_id(prefix), ids, params, decision, self.cfg.model_name, chat,
+                     body.return_token_ids, bool(body.stream_options and body.stream_options.include_usage))
+
+    async def _serve(self, body, ids, max_tokens, default_max, chat: bool):
+        plan = self._plan(body, ids, max_tokens, default_max, chat)
+        if self._inflight >= self.cfg.max_inflight_requests:
+            raise APIError(503, f"server overloaded: {self._inflight} requests in flight "
+                                f"(max_inflight_requests={self.cfg.max_inflight_requests}); retry later",
+                           "server_error", None, "overloaded")
+        admission = _Admission(self)
+        if body.stream:
+            return StreamingResponse(self._sse(plan, admission), media_type="text/event-stream")
+        try:
+            return await self._complete(plan)
+        finally:
+            admission.release()
+
+    async def _complete(self, plan: _Plan) -> dict:
+        text, token_ids, last = [], [], None
+        deltas = self._execute(plan)
+        try:
+            async for d in deltas:
+                text.append(d["text"])
+                token_ids.extend(d["token_ids"])
+                last = d
+        except APIError:
+            raise
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("request %s failed", plan.request_id)
+            raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error") from None
+        finally:
+            await deltas.aclose()
+        stats = last["stats"] if last and last["stats"] else RequestStats().as_dict()
+        build = schemas.chat_body if plan.chat else schemas.completion_body
+        return build(plan.request_id, schemas.now(), plan.model, "".join(text), last["finish_reason"] if last else None,
+                     schemas.usage(len(plan.prompt_ids), len(token_ids)), self._speculation(plan, stats),
+                     token_ids if plan.return_token_ids else None)
+
+    async def _sse(self, plan: _Plan, admission: _Admission) -> AsyncIterator[str]:
+        created = schemas.now()
+        rid, model = plan.request_id, plan.model
+        n_out = 0
+        deltas = self._execute(plan)
+        try:
+            if plan.chat:
+                yield _sse(schemas.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+            async for d in deltas:
+                n_out += len(d["token_ids"])
+                ids = d["token_ids"] if plan.return_token_ids else None
+                if d["finished"]:
+                    spec = self._speculation(plan, d["stats"])
+                    if plan.chat:
+                        chunk = schemas.chat_chunk(rid, created, model, {"content": d["text"]} if d["text"] else {},
+                                                   d["finish_reason"], ids)
+                    else:
+                        chunk = schemas.completion_chunk(rid, created, model, d["text"], d["finish_reason"], ids)
+                    chunk["speculation"] = spec
+                    yield _sse(chunk)
+                    if plan.include_usage:
+                        yield _sse({"id": rid, "object": chunk["object"], "created": created, "model": model,
+                                    "choices": [], "usage": schemas.usage(len(plan.prompt_ids), n_out),
+                                    "speculation": spec})
+                elif d["text"] or d["token_ids"]:
+                    if plan.chat:
+                        yield _sse(schemas.chat_chunk(rid, created, model, {"content": d["text"]}, None, ids))
+                    else:
+                        yield _sse(schemas.completion_chunk(rid, created, model, d["text"], None, ids))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, OpenAI style
+            logger.exception("stream %s failed", rid)
+            status = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
+            yield _sse(schemas.error_body(f"{type(exc).__name__}: {exc}", status))
+            yield "data: [DONE]\n\n"
+        finally:
+            await deltas.aclose()
+            admission.release()
+
+    def _speculation(self, plan: _Plan, stats: dict) -> dict:
+        d = plan.decision
+        return {
+            "mode": "speculative" if d.k > 0 else "plain",
+            "topology": d.topology,
+            "num_speculative_tokens": d.k,
+            "proposed_tokens": stats["proposed_tokens"],
+            "accepted_tokens": stats["accepted_tokens"],
+            "acceptance_rate": stats["acceptance_rate"],
+            "mean_acceptance_length": stats["mean_acceptance_length"],
+            "pool": d.pool,
+            "regime": d.regime,
+            "predicted_speedup": d.predicted_speedup,
+            "route_reason": d.reason,
+        }
+
+    async def _execute(self, plan: _Plan) -> AsyncIterator[dict]:
+        """Deltas of one request on the chosen path; the pool's load counter covers its lifetime."""
+        pool = plan.decision.pool
+        self._active[pool] += 1
+        try:
+            if pool == "separate":
+                gen = self._run_separate(plan)
+            else:
+                gen = self._run_engine(self._pools[pool], plan)
+            try:
+                async for d in gen:
+                    yield d
+            finally:
+                await gen.aclose()
+        finally:
+            self._active[pool] -= 1
+
+    async def _run_engine(self, handle: DeploymentHandle, plan: _Plan) -> AsyncIterator[dict]:
+        p = plan.params
+        req = {"request_id": plan.request_id, "prompt_ids": plan.prompt_ids, "max_tokens": p.max_new_tokens,
+               "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed,
+               "stop": list(p.stop), "ignore_eos": p.ignore_eos, "k": p.num_speculative_tokens}
+        responses = handle.options(stream=True).generate.remote(req)
+        finished = False
+        try:
+            async for d in responses:
+                finished = d["finished"]
+                yield d
+        finally:
+            if not finished:
+                responses.cancel()  # the replica's generator exits: the engine aborts and frees slots
+
+    async def _run_separate(self, plan: _Plan) -> AsyncIterator[dict]:
+        sid, p = plan.request_id, plan.params
+        draft = self._draft.options(session_id=sid)
+        target = self._target.options(session_id=sid)
+        sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed}
+        req = SeparateRequest(plan.prompt_ids, p, self.tokenizer, self.eos_ids)
+        t0 = time.perf_counter()
+        draft_used = draft_failed = False
+        first = True
+        try:
+            while not req.finished:
+                # Step 1 is the target's prefill, without a proposal (as in the engine).
+                k = 0 if first or draft_failed else req.next_k(p.num_speculative_tokens, self.max_model_len)
+                history = list(req.tokens)
+                if k > 0:
+                    draft_used = True
+                    proposal = draft.propose.remote(sid, history, k, sampling)  # not awaited: passed through
+                    try:
+                        outcome = await target.verify.remote(sid, history, proposal, sampling)
+                    except Exception:
+                        if not await _failed(proposal):
+                            raise
+                        draft_failed = True
+                        logger.warning("request %s: draft propose failed; continuing with plain verify", sid)
+                        outcome = await target.verify.remote(sid, history, None, sampling)
+                else:
+                    outcome = await target.verify.remote(sid, history, None, sampling)
+                first = False
+                req.stats.record_verify(outcome["num_proposed"], outcome["num_accepted"])
+                req.commit(outcome["emitted"])
+                yield req.delta()
+        finally:
+            req.stats.latency_s = time.perf_counter() - t0
+            self._release_later(sid, draft_used)
+            s = req.stats
+            logger.info(
+                "request %s pool=separate mode=%s topology=separate k=%d prompt=%d output=%d proposed=%d "
+                "accepted=%d acceptance=%.3f mean_len=%.2f latency=%.3fs finish=%s draft_failed=%s",
+                sid, "speculative" if p.num_speculative_tokens else "plain", p.num_speculative_tokens,
+                s.prompt_tokens, len(req.output_ids), s.proposed, s.accepted, s.acceptance_rate,
+                s.mean_acceptance_length, s.latency_s, req.finish_reason or "abort", draft_failed,
+            )
+
+    def _release_later(self, session_id: str, draft_used: bool) -> None:
+        """Free the session's KV slots on both sides; runs even when the request was cancelled."""
+
+        async def release() -> None:
+            fresh_internal_request_id()  # detached from the (possibly cancelled) parent request
+            calls = [self._target.options(session_id=session_id).release.remote(session_id)]
+            if draft_used:
+                calls.append(self._draft.options(session_id=session_id).release.remote(session_id))
+            for call in calls:
+                try:
+                    await call
+                except Exception:  # noqa: BLE001
+                    logger.exception("release of session %s failed", session_id)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _failed(response) -> bool:
+    try:
+        await response
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,145 @@
+"""Target deployment of the separate topology: wraps ``specdec_core.Verifier``.
+
+``verify(session_id, token_ids, proposal, sampling)`` runs one verify step (Leviathan et al. 2023,
+Algorithm 1) for one session; ``@serve.batch`` fuses the concurrent calls of many sessions into one
+target forward (``Verifier.verify`` takes a list). ``proposal`` is the Draft's DeploymentResponse,
+passed through by the router unawaited (Serve resolves it before the call runs here), or None for a
+plain step (prefill, K=0, or a request whose draft failed). The outcome (emitted tokens, accepted
+count) goes back to the router, which owns the history and sends it with the next call; the
+verifier reconciles its KV cache against it (``SequenceSlots.sync``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from ray import serve
+
+from deployments.config import AppConfig
+from deployments.draft import Tombstones, _Failed, session_generator
+from specdec_core import ModelRunner, Proposal, Verifier, VerifyItem
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class _Session:
+    generator: torch.Generator | None
+    opened: float
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+
+class Target:
+    def __init__(self, config: dict):
+        cfg = AppConfig(**config)
+        torch.set_num_threads(cfg.torch_threads)
+        runner = ModelRunner.from_pretrained(
+            cfg.target, device=cfg.device, dtype=cfg.dtype, max_slots=cfg.max_batch_size,
+            max_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
+        )
+        self.verifier = Verifier(runner)
+        self._sessions: dict[str, _Session] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="target")
+        self._released = Tombstones()
+        self._max_batch = 0
+        self._batches = 0
+        self._opened = 0
+        self._verify_batch.set_max_batch_size(cfg.verify_max_batch_size)
+        self._verify_batch.set_batch_wait_timeout_s(cfg.verify_batch_wait_s)
+        logger.info("Target ready: %s slots=%d", cfg.target, runner.num_slots)
+
+    async def verify(self, session_id: str, token_ids: list[int], proposal: Proposal | None, sampling: dict) -> dict:
+        """-> {"emitted": [...], "num_proposed": K, "num_accepted": a}."""
+        result = await self._verify_batch(session_id, list(token_ids), proposal or Proposal([], None), sampling)
+        if isinstance(result, _Failed):
+            raise RuntimeError(result.message)
+        return result
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    async def _verify_batch(self, session_ids, histories, proposals, samplings) -> list:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, self._verify_sync, session_ids, histories, proposals, samplings
+        )
+
+    def _verify_sync(self, session_ids, histories, proposals, samplings) -> list:
+        self._batches += 1
+        self._max_batch = max(self._max_batch, len(session_ids))
+        runner = self.verifier.runner
+        results: list = [None] * len(session_ids)
+        items, index = [], []
+        free = runner.num_free_slots
+        for i, (sid, hist, prop, smp) in enumerate(zip(session_ids, histories, proposals, samplings)):
+            if sid in self._released:
+                results[i] = _Failed(f"session {sid} was released")
+                continue
+            if sid in (items[j].seq_id for j in range(len(items))):
+                results[i] = _Failed(f"session {sid} verified twice in one batch")
+                continue
+            if len(hist) + len(prop.token_ids) > runner.max_len:
+                results[i] = _Failed(f"context full: {len(hist)} + {len(prop.token_ids)} > {runner.max_len}")
+                continue
+            if sid not in self.verifier.slots:
+                if free == 0:
+                    results[i] = _Failed("target: no free KV slot")
+                    continue
+                free -= 1
+            sess = self._sessions.get(sid)
+            if sess is None:
+                sess = self._sessions[sid] = _Session(session_generator(smp), time.perf_counter())
+                self._opened += 1
+            items.append(VerifyItem(sid, hist, prop, float(smp["temperature"]), float(smp["top_p"]),
+                                    int(smp.get("top_k", 0)), sess.generator))
+            index.append(i)
+        if items:
+            for i, item, res in zip(index, items, self.verifier.verify(items)):
+                sess = self._sessions[item.seq_id]
+                sess.steps += 1
+                sess.proposed += res.num_proposed
+                sess.accepted += res.num_accepted
+                sess.emitted += len(res.emitted)
+                results[i] = {"emitted": res.emitted, "num_proposed": res.num_proposed,
+                              "num_accepted": res.num_accepted}
+        return results
+
+    async def release(self, session_id: str) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._release_sync, session_id)
+
+    def _release_sync(self, session_id: str) -> bool:
+        held = session_id in self.verifier.slots
+        self.verifier.release(session_id)
+        sess = self._sessions.pop(session_id, None)
+        self._released.add(session_id)
+        if sess is not None:
+            logger.info(
+                "session %s topology=separate steps=%d proposed=%d accepted=%d acceptance=%.3f emitted=%d "
+                "held=%.3fs", session_id, sess.steps, sess.proposed, sess.accepted,
+                sess.accepted / sess.proposed if sess.proposed else 0.0, sess.emitted,
+                time.perf_counter() - sess.opened,
+            )
+        return held
+
+    async def stats(self) -> dict:
+        runner = self.verifier.runner
+        return {
+            "deployment": "Target",
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "sessions": len(self.verifier.slots),
+            "free_slots": runner.num_free_slots,
+            "total_slots": runner.num_slots,
+            "sessions_opened": self._opened,
+            "batches": self._batches,
+            "max_batch": self._max_batch,
+        }
+
+    async def where(self, session_id: str) -> dict:
+        """Which replica this pinned call reached and whether it holds the session."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id,
+                "holds": session_id in self.verifier.slots}

@@ -1,0 +1,174 @@
+"""Routing policy on synthetic cost models: one case per regime, explicit overrides, validation."""
+
+import pytest
+
+from autoscaling.routing import (
+    REGIMES,
+    PoolLoad,
+    RegimeEvidence,
+    RequestFeatures,
+    RoutingContext,
+    RoutingError,
+    RoutingThresholds,
+    classify_regime,
+    route,
+)
+from specdec_core.costmodel import CostModel, StepCosts
+
+
+def model(c: float = 0.1, hop: float = 0.0) -> CostModel:
+    """Batch 1: memory bound, a 9-token verify costs 1.2 plain steps. Batch 64: compute bound,
+    verify cost linear in tokens. Draft costs c plain steps at every batch."""
+    return CostModel(
+        StepCosts(
+            batches=(1, 64),
+            qs=(1, 9),
+            target_s=((1.0, 1.2), (2.0, 18.0)),
+            draft_s=(c, 2 * c),
+            hop_overhead_s={"colocated": 0.0, "separate": hop},
+        )
+    )
+
+
+def ctx(
+    a: float = 0.8,
+    c: float = 0.1,
+    hop: float = 0.2,
+    evidence: float = 1000.0,
+    loads: dict | None = None,
+    pools: tuple = ("colocated", "separate"),
+    **features,
+) -> RoutingContext:
+    base = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
+    return RoutingContext(
+        features=RequestFeatures(**{"temperature": 0.0, "max_tokens": 256, "prompt_tokens": 64, **features}),
+        loads={**base, **(loads or {})},
+        cost_models={t: model(c, hop) for t in pools},
+        acceptance=a,
+        evidence=evidence,
+        context_limit=2048,
+    )
+
+
+def test_favorable_goes_speculative_colocated():
+    d = route(ctx())
+    assert (d.pool, d.topology, d.regime) == ("colocated", "colocated", "favorable")
+    assert d.k > 0 and d.predicted_speedup > 1.05
+
+
+def test_large_batch_goes_plain():
+    d = route(ctx(loads={"colocated": PoolLoad(active=63), "separate": PoolLoad(active=63)}))
+    assert (d.pool, d.k, d.regime) == ("plain", 0, "large_batch")
+
+
+def test_high_entropy_and_domain_mismatch():
+    hot = route(ctx(a=0.1, temperature=1.2))
+    cold = route(ctx(a=0.1, temperature=0.0))
+    assert (hot.pool, hot.regime) == ("plain", "high_entropy")
+    assert (cold.pool, cold.regime) == ("plain", "domain_mismatch")
+    # a low acceptance that is still the prior is not blamed on the traffic
+    assert route(ctx(a=0.1, temperature=1.2, evidence=5)).regime not in ("high_entropy", "domain_mismatch")
+
+
+def test_expensive_draft():
+    d = route(ctx(a=0.8, c=0.9))
+    assert (d.pool, d.regime) == ("plain", "expensive_draft")
+
+
+def test_orchestration_overhead_when_only_separate():
+    d = route(ctx(hop=3.0, pools=("separate",)))  # hops cost 3 plain steps
+    assert (d.pool, d.regime) == ("plain", "orchestration_overhead")
+    both = route(ctx(hop=3.0))
+    assert (both.pool, both.regime) == ("colocated", "favorable")
+
+
+def test_prefill_heavy_goes_plain_even_when_favorable():
+    assert route(ctx(max_tokens=8)).regime == "prefill_heavy"
+    d = route(ctx(max_tokens=32, prompt_tokens=1000))
+    assert (d.pool, d.regime) == ("plain", "prefill_heavy")
+
+
+def test_long_context_and_unknown():
+    # a = 0.5, c = 0.45: pays nowhere, acceptance not low, draft not expensive
+    assert route(ctx(a=0.5, c=0.45, prompt_tokens=1500)).regime == "long_context"
+    assert route(ctx(a=0.5, c=0.45)).regime == "unknown"
+
+
+def test_throughput_objective_goes_plain():
+    d = route(ctx(objective="throughput"))
+    assert (d.pool, d.k, d.regime) == ("plain", 0, "favorable")
+
+
+def test_full_pool_falls_back():
+    full = PoolLoad(active=4, capacity=4)
+    d = route(ctx(loads={"colocated": full}))
+    assert d.pool == "separate"  # still pays with its hops
+    d = route(ctx(loads={"colocated": full, "separate": full}))
+    assert (d.pool, d.regime) == ("plain", "favorable") and "full" in d.reason
+
+
+def test_no_spec_pool():
+    d = route(ctx(pools=()))
+    assert (d.pool, d.regime) == ("plain", "unknown")
+    d = route(ctx(loads={"colocated": PoolLoad(replicas=0), "separate": PoolLoad(replicas=0)}))
+    assert d.pool == "plain"
+
+
+def test_joined_batch_spreads_over_replicas():
+    assert PoolLoad(active=6, queued=1, replicas=2).joined_batch() == 4
+    assert PoolLoad().joined_batch() == 1
+    assert not PoolLoad(active=3, queued=1, capacity=4).has_room()
+
+
+def test_explicit_fields_win():
+    assert route(ctx(mode="plain")).pool == "plain"
+    assert route(ctx(k=0)).pool == "plain"
+    d = route(ctx(k=3))
+    assert (d.pool, d.k) == ("colocated", 3)
+    d = route(ctx(topology="separate"))
+    assert d.pool == "separate" and d.k >= 1
+    d = route(ctx(a=0.8, c=0.9, mode="speculative"))  # the user insists: serve it, report the loss
+    assert d.pool == "colocated" and d.k >= 1 and d.predicted_speedup < 1 and d.regime == "expensive_draft"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"k": 20},
+        {"topology": "teleport"},
+        {"mode": "fast"},
+        {"objective": "cheap"},
+        {"mode": "plain", "k": 2},
+        {"mode": "speculative", "k": 0},
+        {"prompt_tokens": 2000, "max_tokens": 100},
+    ],
+)
+def test_invalid_requests(bad):
+    with pytest.raises(RoutingError):
+        route(ctx(**bad))
+
+
+def test_unavailable_topology_requested():
+    with pytest.raises(RoutingError):
+        route(ctx(topology="separate", pools=("colocated",)))
+
+
+def test_classify_regime_table():
+    th = RoutingThresholds()
+    base = dict(temperature=0.0, prompt_tokens=64, max_tokens=256, context_limit=2048, acceptance=0.8,
+                evidence=1000.0, cost_ratio=0.1, speedup=0.9, speedup_batch1=0.9, speedup_no_hop=0.9)
+    cases = [
+        ({"max_tokens": 4, "speedup": 2.0}, "prefill_heavy"),
+        ({"speedup": 1.5}, "favorable"),
+        ({"speedup_no_hop": 1.5}, "orchestration_overhead"),
+        ({"speedup_batch1": 1.5}, "large_batch"),
+        ({"acceptance": 0.2, "temperature": 1.0}, "high_entropy"),
+        ({"acceptance": 0.2}, "domain_mismatch"),
+        ({"cost_ratio": 0.85}, "expensive_draft"),
+        ({"acceptance": 0.55, "cost_ratio": 0.6}, "expensive_draft"),
+        ({"prompt_tokens": 1200}, "long_context"),
+        ({}, "unknown"),
+    ]
+    for change, regime in cases:
+        assert classify_regime(RegimeEvidence(**{**base, **change}), th) == regime
+    assert {r for _, r in cases} == set(REGIMES)
