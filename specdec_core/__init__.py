@@ -6,7 +6,10 @@ q the draft's; a verify pass keeps the *accepted* draft tokens and adds one *rec
 first rejection) or one *bonus* token (when all K were accepted).
 """
 
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.adaptive import AdaptiveK
 from specdec_core.async_engine import AsyncEngine
+from specdec_core.costmodel import CostModel, StepCosts
 from specdec_core.engine import Engine, RequestOutput, SamplingParams, StepTiming, check_same_tokenizer
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest
 from specdec_core.runner import ModelRunner
@@ -15,6 +18,11 @@ from specdec_core.stats import RequestStats
 from specdec_core.verifier import Verifier, VerifyItem, VerifyResult
 
 __all__ = [
+    "AcceptanceTracker",
+    "TrafficClass",
+    "AdaptiveK",
+    "CostModel",
+    "StepCosts",
     "AsyncEngine",
     "Engine",
     "RequestOutput",

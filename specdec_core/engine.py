@@ -18,10 +18,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from specdec_core.acceptance import AcceptanceTracker
+from specdec_core.adaptive import AdaptiveK, KState
+from specdec_core.costmodel import CostModel, StepCosts, calibrate
 from specdec_core.detokenizer import DetokenizerState, detokenize_incrementally
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from specdec_core.runner import ModelRunner, load_tokenizer
@@ -40,7 +43,9 @@ class SamplingParams:
     seed: int | None = None
     stop: Sequence[str] = ()
     ignore_eos: bool = False
-    num_speculative_tokens: int = 0  # K; 0 = plain decoding
+    num_speculative_tokens: int = 0  # K; 0 = plain decoding; the upper bound of K when adaptive_k
+    adaptive_k: bool = False  # re-choose K every step from the cost model and acceptance (engine needs one)
+    domain: str = "default"  # traffic-class key for acceptance statistics (e.g. the OpenAI `user`)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -94,14 +99,7 @@ class _Request:
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: str | None = None
     draft_failed: bool = False
-
-
-# Chooses a running request's K for this step from the request and the decode batch size.
-KPolicy = Callable[["_Request", int], int]
-
-
-def fixed_k(request: _Request, batch_size: int) -> int:
-    return request.params.num_speculative_tokens
+    k_state: KState | None = None  # adaptive K of this request
 
 
 class Engine:
@@ -111,14 +109,14 @@ class Engine:
         tokenizer,
         proposer: Proposer | None = None,
         max_batch_size: int = 32,
-        k_policy: KPolicy = fixed_k,
+        adaptive: AdaptiveK | None = None,
     ):
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.verifier = Verifier(target)
         self.max_batch_size = min(max_batch_size, target.num_slots)
-        self.k_policy = k_policy
+        self.adaptive = adaptive
         self.max_model_len = target.max_len
         self.eos_token_ids = _eos_ids(tokenizer, target.model)
         self.last_step = StepTiming()
@@ -144,7 +142,6 @@ class Engine:
         max_model_len: int = 1024,
         trust_remote_code: bool = False,
         ngram_max_n: int = 4,
-        k_policy: KPolicy = fixed_k,
     ) -> "Engine":
         """Load a target and optionally a draft from local paths or hub names.
 
@@ -173,7 +170,29 @@ class Engine:
             prop = DraftModelProposer(draft_runner, name=str(draft))
         else:
             prop = NgramProposer(max_n=ngram_max_n)
-        return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size, k_policy=k_policy)
+        return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size)
+
+    def calibrate(self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64) -> StepCosts:
+        """Time the target at (batch, new tokens) and the draft at batch on this hardware (seconds)."""
+        batches = [b for b in batches if b <= self.target.num_free_slots]
+        draft = getattr(self.proposer, "runner", None)
+        return calibrate(
+            lambda b, q: self.target.time_step(b, q, context_len),
+            (lambda b: draft.time_step(b, 1, context_len)) if draft is not None else None,
+            batches=batches,
+            qs=qs,
+        )
+
+    def enable_adaptive(
+        self, costs: StepCosts | None = None, tracker: AcceptanceTracker | None = None, topology: str = "colocated"
+    ) -> AdaptiveK:
+        """Turn on per-step adaptive K for requests with ``adaptive_k=True`` (calibrates if no costs given)."""
+        if self.proposer is None:
+            raise ValueError("adaptive K needs a proposer")
+        self.adaptive = AdaptiveK(
+            CostModel(costs or self.calibrate()), tracker or AcceptanceTracker(), self.proposer.name, topology
+        )
+        return self.adaptive
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -285,7 +304,13 @@ class Engine:
     def _choose_k(self, req: _Request, batch: int) -> int:
         if req.draft_failed or self.proposer is None:
             return 0
-        k = self.k_policy(req, batch)
+        k = req.params.num_speculative_tokens
+        if req.params.adaptive_k and self.adaptive is not None and k > 0:
+            req.k_state = self.adaptive.choose(
+                req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
+                batch, k,
+            )
+            k = req.k_state.k
         remaining = req.params.max_new_tokens - len(req.output_ids)
         room = self.max_model_len - len(req.tokens)
         # A verify emits up to K+1 tokens: proposing past the token budget or the context is waste.
@@ -323,7 +348,12 @@ class Engine:
         ]
         for req, res in zip(rows, self.verifier.verify(items)):
             req.stats.record_verify(res.num_proposed, res.num_accepted)
+            if self.adaptive is not None and res.num_proposed:
+                self.adaptive.observe(self._traffic_class(req), res.num_proposed, res.num_accepted)
             self._commit(req, res.emitted)
+
+    def _traffic_class(self, req: _Request):
+        return self.adaptive.traffic_class(req.params.temperature, req.params.domain)
 
     def _commit(self, req: _Request, emitted: list[int]) -> None:
         """Append emitted tokens one by one, stopping at EOS, the token budget or a stop string."""
@@ -413,15 +443,19 @@ class Engine:
         params: Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion, batched. Request i is seeded with ``seed + i``; ``params`` (one
-        per prompt) overrides the scalar arguments, e.g. to mix plain and speculative requests."""
+        per prompt) overrides the scalar arguments, e.g. to mix plain and speculative requests.
+        ``mode="auto"`` re-chooses K each step up to ``num_speculative_tokens`` (``enable_adaptive``
+        first), dropping to plain steps where speculation does not pay."""
         if params is None:
-            if mode not in ("speculative", "plain"):
-                raise ValueError(f"mode must be 'speculative' or 'plain', got {mode!r}")
-            k = num_speculative_tokens if mode == "speculative" else 0
+            if mode not in ("speculative", "plain", "auto"):
+                raise ValueError(f"mode must be 'speculative', 'plain' or 'auto', got {mode!r}")
+            if mode == "auto" and self.adaptive is None:
+                raise ValueError("mode='auto' needs engine.enable_adaptive() first")
+            k = 0 if mode == "plain" else num_speculative_tokens
             params = [
                 SamplingParams(
                     max_new_tokens, temperature, top_p, top_k, None if seed is None else seed + i, tuple(stop),
-                    num_speculative_tokens=k,
+                    num_speculative_tokens=k, adaptive_k=mode == "auto",
                 )
                 for i in range(len(prompts))
             ]

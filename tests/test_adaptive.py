@@ -1,0 +1,72 @@
+"""Adaptive K in the engine: speculation where it pays, K=0 after an acceptance collapse, output
+still lossless."""
+
+import pytest
+
+from specdec_core import AcceptanceTracker, AdaptiveK, CostModel, Engine, StepCosts
+
+# Synthetic costs shaped like DESIGN.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
+# batch 1 and ~3.4x at batch 64.
+COSTS = StepCosts(
+    batches=(1, 64),
+    qs=(1, 9),
+    target_s=((0.0187, 0.0299), (0.11, 0.38)),
+    draft_s=(0.0015, 0.006),
+)
+PROMPTS = ["It is a truth universally acknowledged", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256)
+    return [o.token_ids for o in eng.generate(PROMPTS, max_new_tokens=40, mode="plain")]
+
+
+def test_auto_speculates_with_an_aligned_draft(tiny_models, plain_reference):
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_model_len=256)
+    eng.enable_adaptive(COSTS)
+    outs = eng.generate(PROMPTS, max_new_tokens=40, mode="auto", num_speculative_tokens=8)
+    assert [o.token_ids for o in outs] == plain_reference
+    assert all(o.stats.mean_acceptance_length > 3 for o in outs)
+
+
+def test_auto_drops_to_plain_when_acceptance_collapses(tiny_models, plain_reference):
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256)
+    eng.enable_adaptive(COSTS)
+    outs = eng.generate(PROMPTS, max_new_tokens=40, mode="auto", num_speculative_tokens=8)
+    assert [o.token_ids for o in outs] == plain_reference
+    for o in outs:
+        # The random draft is almost never accepted: K falls from its first choice towards 0-1
+        # (K=1 costs within the hysteresis of plain here) and plain steps appear in the same engine.
+        assert o.stats.proposed_per_position[0] >= 1
+        assert o.stats.proposed / o.stats.verify_steps < 1.5
+        assert o.stats.plain_steps > 0
+
+
+def test_adaptive_k_is_plain_at_large_batch_for_moderate_acceptance():
+    """a = 0.5: speculation pays at batch 1, not at batch 64 where a verify costs ~1.5-3.5x a step."""
+    costs = StepCosts(
+        batches=(1, 64), qs=(1, 2, 5, 9),
+        target_s=((0.0187, 0.0195, 0.024, 0.0299), (0.11, 0.17, 0.26, 0.38)),
+        draft_s=(0.0015, 0.006),
+    )
+    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.5), "draft")
+    cls = policy.traffic_class(0.0, "default")
+    assert policy.choose(None, cls, 0, 0, batch=1, k_max=8).k > 0
+    assert policy.choose(None, cls, 0, 0, batch=64, k_max=8).k == 0
+    # With its own evidence of a collapse, a request at batch 1 drops to plain too.
+    assert policy.choose(None, cls, accepted=0, judged=200, batch=1, k_max=8).k == 0
+
+
+def test_auto_needs_enable_adaptive(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256)
+    with pytest.raises(ValueError, match="enable_adaptive"):
+        eng.generate(PROMPTS, mode="auto")
+
+
+def test_calibrate_measures_a_cost_grid(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256, max_batch_size=4)
+    costs = eng.calibrate(batches=(1, 4), qs=(1, 3))
+    assert costs.batches == (1, 4) and costs.qs == (1, 3)
+    assert all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
+    assert eng.target.num_free_slots == 4
