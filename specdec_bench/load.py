@@ -1,0 +1,128 @@
+"""`specdec-bench serve`: load generator against a running OpenAI-compatible server.
+
+Streams completions (SSE) so time to first token (TTFT), time per output token (TPOT) and
+inter-token latency (ITL) are measured per request; arrivals are Poisson at each given rate, or a
+fixed number of concurrent clients. One pass per speculation mode (the project's extension field;
+other servers ignore it). The orchestration-overhead cell is the colocated vs separate pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+from tqdm import tqdm
+
+from specdec_bench.common import load_prompts, machine_facts
+
+MODES = {
+    "plain": {"mode": "plain"},
+    "colocated": {"mode": "speculative", "topology": "colocated"},
+    "separate": {"mode": "speculative", "topology": "separate"},
+    "auto": {"mode": "auto"},
+}
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, speculation: dict) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation}
+    t0 = time.perf_counter()
+    arrivals, final = [], {}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return {"error": resp.status_code}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter() - t0)
+            if chunk.get("usage"):
+                final = chunk
+    end = time.perf_counter() - t0
+    tokens = (final.get("usage") or {}).get("completion_tokens", len(arrivals))
+    spec = final.get("speculation") or {}
+    return {
+        "ttft": arrivals[0] if arrivals else end,
+        "tpot": (end - arrivals[0]) / max(1, tokens - 1) if arrivals else 0.0,
+        "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
+        "tokens": tokens,
+        "latency": end,
+        "accepted": spec.get("accepted_tokens", 0),
+        "proposed": spec.get("proposed_tokens", 0),
+        "route": spec.get("topology") or spec.get("mode"),
+    }
+
+
+async def run_pass(args, model: str, speculation: dict, rate: float | None) -> dict:
+    prompts = load_prompts(args.prompts, None)
+    rng = random.Random(0)
+    results = []
+    async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+        t0 = time.perf_counter()
+        if rate:  # open loop: Poisson arrivals
+            tasks = []
+            for i in range(args.requests):
+                tasks.append(asyncio.create_task(one_request(client, model, prompts[i % len(prompts)], args,
+                                                             speculation)))
+                await asyncio.sleep(rng.expovariate(rate))
+            results = await asyncio.gather(*tasks)
+        else:  # closed loop: fixed concurrency
+            queue = list(range(args.requests))
+
+            async def worker():
+                while queue:
+                    i = queue.pop()
+                    results.append(await one_request(client, model, prompts[i % len(prompts)], args, speculation))
+
+            await asyncio.gather(*[worker() for _ in range(args.concurrency)])
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    itl = sorted(x for r in ok for x in r["itl"])
+    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0  # noqa: E731
+    proposed = sum(r["proposed"] for r in ok)
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "ttft_ms": {"p50": 1000 * pct(sorted(r["ttft"] for r in ok), 0.5),
+                    "p90": 1000 * pct(sorted(r["ttft"] for r in ok), 0.9)},
+        "tpot_ms": {"p50": 1000 * statistics.median(r["tpot"] for r in ok) if ok else 0.0},
+        "itl_ms": {"p50": 1000 * pct(itl, 0.5), "p90": 1000 * pct(itl, 0.9), "p99": 1000 * pct(itl, 0.99)},
+        "acceptance_rate": sum(r["accepted"] for r in ok) / proposed if proposed else 0.0,
+        "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
+    }
+
+
+def run_serve(args) -> dict:
+    model = args.model
+    if model is None:
+        model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    rates = args.rates or [None]
+    passes = []
+    for rate in rates:
+        for mode in tqdm(args.modes, desc=f"rate {rate or f'concurrency {args.concurrency}'}"):
+            res = asyncio.run(run_pass(args, model, MODES[mode], rate))
+            passes.append({"mode": mode, "rate": rate, "concurrency": None if rate else args.concurrency, **res})
+            tqdm.write(f"{mode:10s} rate={rate} tput {res['throughput_tok_s']:.1f} tok/s  TTFT p50 "
+                       f"{res['ttft_ms']['p50']:.0f} ms  ITL p50 {res['itl_ms']['p50']:.1f} ms  "
+                       f"acc {res['acceptance_rate']:.2f}  errors {res['errors']}")
+    return {"machine": machine_facts(0), "config": {k: v for k, v in vars(args).items() if k != "func"},
+            "passes": passes}
+
+
+def serve_markdown(data: dict) -> str:
+    lines = ["# Serving benchmark", "", f"Config: {data['config']}", "",
+             "| mode | rate | concurrency | tok/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | ITL p50 ms | "
+             "ITL p99 ms | acceptance | errors |", "|---" * 11 + "|"]
+    for p in data["passes"]:
+        lines.append(
+            f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['throughput_tok_s']:.1f} | "
+            f"{p['ttft_ms']['p50']:.0f} | {p['ttft_ms']['p90']:.0f} | {p['tpot_ms']['p50']:.1f} | "
+            f"{p['itl_ms']['p50']:.1f} | {p['itl_ms']['p99']:.1f} | {p['acceptance_rate']:.2f} | {p['errors']} |"
+        )
+    return "\n".join(lines) + "\n"

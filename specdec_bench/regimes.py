@@ -1,0 +1,252 @@
+"""`specdec-bench regimes`: every regime cell, plain vs fixed-K speculation vs auto (adaptive K),
+interleaved, on the shipped model family, next to the cost model's prediction.
+
+Prediction for a cell = plain / speculative time per token from the cost model
+(K t_D + t_T(K+1) + overhead) / E_K(a), with step costs calibrated on this machine at the cell's
+batch and context length and a = the acceptance measured in the cell's speculative runs. The
+engine's per-forward framework overhead (sampling, bookkeeping) is measured once per engine and
+added to every forward, since at batch 1 on CPU it is a visible share of a step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_prompts, machine_facts
+from specdec_core import Engine, SamplingParams, StepCosts
+from specdec_core.costmodel import CostModel
+
+MODES = ("plain", "spec", "auto")
+
+
+@dataclass
+class Cell:
+    regime: str
+    draft: str  # model name under models/, or "ngram"
+    prompt_set: str
+    batch: int
+    temperature: float
+    max_new_tokens: int
+    k: int = 4
+    top_p: float = 1.0
+    sweep: str | None = None  # cells of a sweep (batch, temperature) also feed the plots
+    num_prompts: int = 4
+
+
+@dataclass
+class CellResult:
+    regime: str
+    draft: str
+    batch: int
+    temperature: float
+    k: int
+    plain_tok_s: float
+    spec_tok_s: float
+    auto_tok_s: float
+    speedup: float
+    auto_vs_best: float
+    acceptance: float
+    cost_ratio: float
+    predicted_speedup: float
+    runs: int
+    prompt_set: str = ""
+    max_new_tokens: int = 0
+    sweep: str | None = None
+    plain_ms_per_token: dict = field(default_factory=dict)
+    spec_ms_per_token: dict = field(default_factory=dict)
+    auto_ms_per_token: dict = field(default_factory=dict)
+    auto_mean_k: float = 0.0
+    mean_acceptance_length: float = 0.0
+
+
+def build_cells(quick: bool, k: int) -> list[Cell]:
+    n = 2 if quick else 4
+    batches = (1, 8, 32) if quick else (1, 4, 16, 32, 64)
+    temps = (0.0, 1.0, 1.5) if quick else (0.0, 0.5, 1.0, 1.5)
+    new = 32 if quick else 64
+    cells = [
+        Cell("favorable", "draft", "prose", 1, 0.0, new, k, num_prompts=n),
+        Cell("high_entropy", "draft", "prose", 1, 1.5, new, k, num_prompts=n),
+        Cell("expensive_draft", "draft-large", "prose", 1, 0.0, new, k, num_prompts=n),
+        Cell("domain_mismatch", "draft-code", "prose", 1, 0.0, new, k, num_prompts=n),
+        Cell("large_batch", "draft", "prose", batches[-1], 0.0, new // 2, k, num_prompts=batches[-1]),
+        Cell("long_context", "draft", "long", 1, 0.0, new, k, num_prompts=max(1, n // 2)),
+        Cell("prefill_heavy", "draft", "long", 1, 0.0, 4, k, num_prompts=n),
+        Cell("favorable", "ngram", "repetitive", 1, 0.0, new, k, num_prompts=n),
+    ]
+    cells += [
+        Cell("large_batch" if b > 1 else "favorable", "draft", "prose", b, 0.0, new // 2, k, sweep="batch",
+             num_prompts=max(b, n))
+        for b in batches[:-1]
+    ]
+    cells += [
+        Cell("high_entropy" if t >= 1.0 else "favorable", "draft", "prose", 1, t, new, k, sweep="temperature",
+             num_prompts=n)
+        for t in temps if t not in (0.0, 1.5)
+    ]
+    return cells
+
+
+class EnginePool:
+    """One engine per draft, loaded on first use; each gets its adaptive-K policy once."""
+
+    def __init__(self, models_dir, max_batch: int):
+        self.models_dir = models_dir
+        self.max_batch = max_batch
+        self._engines: dict[str, Engine] = {}
+
+    def get(self, draft: str) -> Engine:
+        if draft not in self._engines:
+            target = str(self.models_dir / "target")
+            if draft == "ngram":
+                eng = Engine.from_pretrained(target, proposer="ngram", max_batch_size=self.max_batch,
+                                             max_model_len=1024)
+            else:
+                eng = Engine.from_pretrained(target, str(self.models_dir / draft), max_batch_size=self.max_batch,
+                                             max_model_len=1024)
+            eng.enable_adaptive(eng.calibrate(batches=(1, 8, 32, 64), qs=(1, 2, 3, 5, 9)))
+            self._engines[draft] = eng
+        return self._engines[draft]
+
+
+def _params(cell: Cell, mode: str, seed: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=cell.max_new_tokens,
+        temperature=cell.temperature,
+        top_p=cell.top_p,
+        seed=seed,
+        ignore_eos=True,  # equal output lengths across modes
+        num_speculative_tokens=0 if mode == "plain" else (cell.k if mode == "spec" else 8),
+        adaptive_k=mode == "auto",
+        domain=cell.prompt_set,
+    )
+
+
+def run_mode(engine: Engine, cell: Cell, prompts: list[str], mode: str) -> tuple[float, float, list]:
+    """Generate for every prompt in batches of ``cell.batch``; return (tokens/s, ms/token/request, outputs)."""
+    outs, wall = [], 0.0
+    for start in range(0, len(prompts), cell.batch):
+        group = prompts[start : start + cell.batch]
+        params = [_params(cell, mode, seed=1000 + start + i) for i in range(len(group))]
+        t0 = time.perf_counter()
+        outs += engine.generate(group, params=params)
+        wall += time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    groups = -(-len(prompts) // cell.batch)
+    per_request_tokens = tokens / len(prompts)
+    return tokens / wall, 1000 * wall / groups / per_request_tokens, outs
+
+
+def framework_overhead(engine: Engine, context_len: int) -> float:
+    """Seconds per plain engine step beyond the target forward at batch 1 (sampling, bookkeeping)."""
+    forward = engine.target.time_step(1, 1, context_len, repeats=5)
+    prompt = list(range(10, 10 + context_len))
+    engine.generate([prompt], params=[SamplingParams(max_new_tokens=4, ignore_eos=True)])
+    t0 = time.perf_counter()
+    out = engine.generate([prompt], params=[SamplingParams(max_new_tokens=33, ignore_eos=True)])[0]
+    per_step = (time.perf_counter() - t0 - out.stats.prefill_s) / 32
+    return max(0.0, per_step - forward)
+
+
+def predict(engine: Engine, cell: Cell, acceptance: float, context_len: int, overhead: float) -> tuple[float, float]:
+    """(predicted speedup of fixed K over plain, cost ratio c) at the cell's batch and context."""
+    qs = sorted({1, cell.k + 1})
+    draft = getattr(engine.proposer, "runner", None)
+    t_target = {q: engine.target.time_step(cell.batch, q, context_len) + overhead for q in qs}
+    t_draft = draft.time_step(cell.batch, 1, context_len) + overhead if draft is not None else 0.0
+    costs = StepCosts(batches=(cell.batch,), qs=tuple(qs), target_s=(tuple(t_target[q] for q in qs),),
+                      draft_s=(t_draft,))
+    model = CostModel(costs)
+    plain = model.plain_time_per_token(cell.batch)
+    # The n-gram proposer may propose fewer than K tokens; K here is the configured one.
+    spec = model.spec_time_per_token(cell.batch, cell.k, acceptance)
+    ratio = t_draft / plain
+    return plain / spec, ratio
+
+
+def run_cell(pool: EnginePool, cell: Cell, reps: int, overheads: dict) -> CellResult:
+    engine = pool.get(cell.draft)
+    prompts = load_prompts(cell.prompt_set, models_dir=pool.models_dir)
+    prompts = (prompts * (cell.num_prompts // len(prompts) + 1))[: cell.num_prompts]
+    context_len = int(statistics.mean(len(engine.encode(p)) for p in prompts) + cell.max_new_tokens / 2)
+    for mode in MODES:  # warm-up: caches, allocator, and auto's acceptance statistics
+        run_mode(engine, cell, prompts[: cell.batch], mode)
+    tok_s = {m: [] for m in MODES}
+    ms_tok = {m: [] for m in MODES}
+    spec_outs, auto_outs = [], []
+    for rep in range(reps):
+        order = MODES[rep % 3 :] + MODES[: rep % 3]  # rotate so no mode always runs first
+        for mode in order:
+            rate, latency, outs = run_mode(engine, cell, prompts, mode)
+            tok_s[mode].append(rate)
+            ms_tok[mode].append(latency)
+            if mode == "spec":
+                spec_outs += outs
+            elif mode == "auto":
+                auto_outs += outs
+    acceptance = judged_acceptance(spec_outs)
+    if cell.draft not in overheads:
+        overheads[cell.draft] = framework_overhead(engine, 64)
+    predicted, ratio = predict(engine, cell, acceptance, context_len, overheads[cell.draft])
+    med = {m: statistics.median(v) for m, v in tok_s.items()}
+    verify_steps = sum(o.stats.verify_steps for o in auto_outs)
+    all_steps = verify_steps + sum(o.stats.plain_steps for o in auto_outs)
+    return CellResult(
+        regime=cell.regime,
+        draft=cell.draft,
+        batch=cell.batch,
+        temperature=cell.temperature,
+        k=cell.k,
+        plain_tok_s=med["plain"],
+        spec_tok_s=med["spec"],
+        auto_tok_s=med["auto"],
+        speedup=med["spec"] / med["plain"],
+        auto_vs_best=med["auto"] / max(med["plain"], med["spec"]),
+        acceptance=acceptance,
+        cost_ratio=ratio,
+        predicted_speedup=predicted,
+        runs=reps,
+        prompt_set=cell.prompt_set,
+        max_new_tokens=cell.max_new_tokens,
+        sweep=cell.sweep,
+        plain_ms_per_token=Summary.of(ms_tok["plain"]).as_dict(),
+        spec_ms_per_token=Summary.of(ms_tok["spec"]).as_dict(),
+        auto_ms_per_token=Summary.of(ms_tok["auto"]).as_dict(),
+        auto_mean_k=sum(o.stats.proposed for o in auto_outs) / all_steps if all_steps else 0.0,
+        mean_acceptance_length=(
+            sum(o.stats.accepted + o.stats.verify_steps for o in spec_outs)
+            / max(1, sum(o.stats.verify_steps for o in spec_outs))
+        ),
+    )
+
+
+def run_regimes(args) -> dict:
+    torch.set_num_threads(args.threads)
+    models_dir = args.models or MODELS_DIR
+    cells = build_cells(args.quick, args.k)
+    if args.only:
+        cells = [c for c in cells if c.regime in args.only or c.draft in args.only]
+    reps = args.reps or (2 if args.quick else 3)
+    pool = EnginePool(models_dir, max_batch=max(c.batch for c in cells))
+    overheads: dict = {}
+    results = []
+    for cell in tqdm(cells, desc="regime cells", unit="cell"):
+        results.append(run_cell(pool, cell, reps, overheads))
+        r = results[-1]
+        tqdm.write(
+            f"{r.regime:16s} {r.draft:12s} b={r.batch:<3d} T={r.temperature:<4} plain {r.plain_tok_s:7.1f} "
+            f"spec {r.spec_tok_s:7.1f} auto {r.auto_tok_s:7.1f} tok/s  speedup {r.speedup:.2f} "
+            f"(pred {r.predicted_speedup:.2f})  a={r.acceptance:.2f} c={r.cost_ratio:.2f} "
+            f"auto/best {r.auto_vs_best:.2f}"
+        )
+    return {
+        "machine": machine_facts(args.threads),
+        "config": {"quick": args.quick, "k": args.k, "reps": reps, "models": str(models_dir),
+                   "framework_overhead_s": overheads},
+        "cells": [asdict(r) for r in results],
+    }

@@ -1,0 +1,61 @@
+"""Benchmark smoke tests: the CLI runs a tiny configuration end to end and writes the documented
+JSON shape (the real runs are in BENCHMARKS.md)."""
+
+import json
+import shutil
+
+import pytest
+
+from specdec_bench.cli import main
+
+CELL_KEYS = {
+    "regime", "draft", "batch", "temperature", "k", "plain_tok_s", "spec_tok_s", "auto_tok_s", "speedup",
+    "auto_vs_best", "acceptance", "cost_ratio", "predicted_speedup", "runs",
+}
+REGIMES = {"favorable", "high_entropy", "expensive_draft", "domain_mismatch", "large_batch",
+           "orchestration_overhead", "long_context", "prefill_heavy", "unknown"}
+
+
+@pytest.fixture(scope="module")
+def family(tiny_models, tmp_path_factory):
+    """A model-family folder laid out like models/, built from the tiny test models."""
+    root = tmp_path_factory.mktemp("family")
+    shutil.copytree(tiny_models["target"], root / "target")
+    for name in ("draft", "draft-code", "draft-large"):
+        shutil.copytree(tiny_models["draft"], root / name)
+    (root / "prompts").mkdir()
+    lines = {
+        "prose": ["It is a truth universally acknowledged", "In the beginning God created"],
+        "code": ["def fibonacci(n):", "for i in range(10):"],
+        "repetitive": ["for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\n"],
+        "long": ["In the beginning God created the heaven and the earth. " * 8],
+    }
+    for name, prompts in lines.items():
+        (root / "prompts" / f"{name}.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    return root
+
+
+def test_regimes_quick_writes_documented_json(family, tmp_path):
+    main(["regimes", "--quick", "--models", str(family), "--out", str(tmp_path), "--threads", "1", "--reps", "1",
+          "--only", "favorable", "domain_mismatch"])
+    data = json.loads((tmp_path / "regimes.json").read_text())
+    assert {"machine", "config", "cells"} <= set(data)
+    assert data["cells"], "no cells ran"
+    for cell in data["cells"]:
+        assert CELL_KEYS <= set(cell)
+        assert cell["regime"] in REGIMES
+        assert cell["speedup"] == pytest.approx(cell["spec_tok_s"] / cell["plain_tok_s"])
+        assert cell["auto_vs_best"] == pytest.approx(cell["auto_tok_s"] / max(cell["plain_tok_s"], cell["spec_tok_s"]))
+        assert cell["predicted_speedup"] > 0 and 0 <= cell["acceptance"] <= 1
+    assert (tmp_path / "regimes.md").read_text().startswith("# Regime benchmark")
+    assert (tmp_path / "predicted_vs_measured.png").stat().st_size > 0
+
+
+def test_predict_writes_regime_map(tmp_path):
+    main(["predict", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "predict.json").read_text())
+    names = {s["name"] for s in data["scenarios"]}
+    assert any("H100" in n for n in names) and any("H200" in n for n in names)
+    for s in data["scenarios"]:
+        assert len(s["speedup"]) == len(data["acceptances"])
+        assert all(len(row) == len(data["batches"]) for row in s["speedup"])
