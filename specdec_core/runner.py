@@ -17,6 +17,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from specdec_core.fused_llama import FusedLlamaLayers, can_fuse
 from specdec_core.kv_cache import SlotKVCache, StepLayout
 
 # Decoder-only families whose base model is embed -> rotary -> layers(cache=...) -> norm -> lm_head,
@@ -55,6 +56,8 @@ class ModelRunner:
             base.embed_tokens, base.rotary_emb, base.layers, base.norm
         )
         self._lm_head = model.lm_head
+        # Plain Llama layouts run a fused, lean layer stack; other families run HF's own layers.
+        self._fused = FusedLlamaLayers(model) if can_fuse(model) else None
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -165,12 +168,15 @@ class ModelRunner:
         )
         hidden = self._embed(ids)  # [B, Q, H]
         pos_emb = self._rotary(hidden, positions)
-        for layer in self._layers:
-            hidden = layer(
-                hidden, attention_mask=mask, position_ids=positions, cache=self.cache, position_embeddings=pos_emb
-            )
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
+        if self._fused is not None:
+            hidden = self._fused(hidden, pos_emb, mask, self.cache)
+        else:
+            for layer in self._layers:
+                hidden = layer(
+                    hidden, attention_mask=mask, position_ids=positions, cache=self.cache, position_embeddings=pos_emb
+                )
+                if isinstance(hidden, tuple):
+                    hidden = hidden[0]
         self.cache.layout = None
         for slot, n in zip(slots, q):
             self._lengths[slot] += n

@@ -1,0 +1,83 @@
+"""A lean decoder-layer stack for the plain Llama layout (llama, mistral without biases).
+
+Same weights and the same math as HF's ``LlamaDecoderLayer`` (RMSNorm, RoPE, SDPA, SwiGLU), but
+with q/k/v and gate/up fused into one matmul each (4 matmuls per layer instead of 7) and none of
+the per-module call machinery. For small models on CPU that framework overhead is most of a step
+(DESIGN.md: ~1.2 ms per layer at batch 1), and it sets the draft/target cost ratio c. The original
+module parameters are re-pointed at slices of the fused tensors, so no weight is stored twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+FUSABLE_MODEL_TYPES = ("llama", "mistral")
+
+
+def can_fuse(model: PreTrainedModel) -> bool:
+    cfg = model.config
+    return (
+        cfg.model_type in FUSABLE_MODEL_TYPES
+        and not getattr(cfg, "attention_bias", False)
+        and not getattr(cfg, "mlp_bias", False)
+        and getattr(cfg, "hidden_act", "silu") == "silu"
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FusedLlamaLayers:
+    def __init__(self, model: PreTrainedModel):
+        cfg = model.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.split = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim)
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+            _share(qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
+            _share(gate_up, (mlp.gate_proj, mlp.up_proj))
+            self.layers.append((
+                layer.input_layernorm.weight, qkv, attn.o_proj.weight,
+                layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight,
+            ))
+
+    def __call__(self, hidden, pos_emb, mask, cache):
+        # hidden: [B, Q, H]; pos_emb: (cos, sin) each [B, Q, head_dim]; mask: [B, 1, Q, kv_len] bool
+        batch, q_len, width = hidden.shape
+        cos, sin = (t.unsqueeze(1) for t in pos_emb)  # [B, 1, Q, head_dim]
+        gqa = self.num_kv_heads != self.num_heads
+        for idx, (ln_attn, qkv, o_proj, ln_mlp, gate_up, down) in enumerate(self.layers):
+            x = F.rms_norm(hidden, (width,), ln_attn, self.eps)
+            q, k, v = F.linear(x, qkv).split(self.split, dim=-1)
+            q = q.view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, Q, D]
+            k = k.view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = cache.update(k, v, idx)  # [B, kv_heads, kv_len, D]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            hidden = hidden + F.linear(attn.transpose(1, 2).reshape(batch, q_len, -1), o_proj)
+            gate, up = F.linear(F.rms_norm(hidden, (width,), ln_mlp, self.eps), gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, down)
+        return hidden
+
+
+def _share(fused: torch.Tensor, modules) -> None:
+    """Point each module's weight at its rows of the fused tensor (views, no copy)."""
+    start = 0
+    for module in modules:
+        rows = module.weight.shape[0]
+        module.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
