@@ -45,11 +45,20 @@ class AdaptiveK:
         return (accepted + prior_weight * self.tracker.estimate(cls)) / (judged + prior_weight)
 
     def choose(self, state: KState | None, cls: TrafficClass, accepted: int, judged: int, batch: int,
-               k_max: int) -> KState:
-        """The next K for one request; ``state`` None on its first decode step."""
+               k_max: int, remaining_tokens: int = 1 << 30, catch_up_tokens: int = 0) -> KState:
+        """The next K for one request; ``state`` None on its first decode step.
+
+        On the first step the draft has not seen the prompt yet: speculation starts only if its
+        expected saving over the remaining tokens exceeds the draft's prefill of
+        ``catch_up_tokens`` (the prefill-heavy regime); otherwise the request decodes plainly.
+        """
         a = self.acceptance(cls, accepted, judged)
         if state is None:
-            return KState(self.cost_model.best_k(batch, a, k_max, self.topology).k)
+            best = self.cost_model.best_k(batch, a, k_max, self.topology)
+            plain = self.cost_model.plain_time_per_token(batch)
+            saving = remaining_tokens * (plain - best.time_per_token_s)
+            prefill = catch_up_tokens * self.cost_model.costs.draft_prefill_s_per_token
+            return KState(best.k if saving > prefill else 0)
         k = adaptive_k(
             self.cost_model, batch, a, k_max, state.k, state.steps_at_current, self.topology,
             probe_every=self.probe_every,

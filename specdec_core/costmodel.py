@@ -85,6 +85,9 @@ class StepCosts:
     draft_s: tuple[float, ...]
     hop_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_HOP_OVERHEAD_S), hash=False)
     source: str = "measured"
+    # Draft prefill, seconds per prompt token: what a speculative request pays once before its
+    # first proposal (the prefill-heavy regime: short outputs cannot amortise it).
+    draft_prefill_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if list(self.batches) != sorted(set(self.batches)) or list(self.qs) != sorted(set(self.qs)):
@@ -116,6 +119,7 @@ class StepCosts:
             "draft_s": list(self.draft_s),
             "hop_overhead_s": dict(self.hop_overhead_s),
             "source": self.source,
+            "draft_prefill_s_per_token": self.draft_prefill_s_per_token,
         }
 
     @classmethod
@@ -127,6 +131,7 @@ class StepCosts:
             draft_s=tuple(float(t) for t in d["draft_s"]),
             hop_overhead_s={k: float(v) for k, v in d.get("hop_overhead_s", DEFAULT_HOP_OVERHEAD_S).items()},
             source=str(d.get("source", "measured")),
+            draft_prefill_s_per_token=float(d.get("draft_prefill_s_per_token", 0.0)),
         )
 
 

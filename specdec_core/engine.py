@@ -12,6 +12,7 @@ caches as soft state keyed by request id and reconcile against that history on e
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -176,12 +177,17 @@ class Engine:
         """Time the target at (batch, new tokens) and the draft at batch on this hardware (seconds)."""
         batches = [b for b in batches if b <= self.target.num_free_slots]
         draft = getattr(self.proposer, "runner", None)
-        return calibrate(
+        costs = calibrate(
             lambda b, q: self.target.time_step(b, q, context_len),
             (lambda b: draft.time_step(b, 1, context_len)) if draft is not None else None,
             batches=batches,
             qs=qs,
         )
+        if draft is None:
+            return costs
+        prefill_tokens = min(256, draft.max_len - 1)
+        per_token = draft.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
+        return dataclasses.replace(costs, draft_prefill_s_per_token=per_token)
 
     def enable_adaptive(
         self, costs: StepCosts | None = None, tracker: AcceptanceTracker | None = None, topology: str = "colocated"
@@ -308,7 +314,8 @@ class Engine:
         if req.params.adaptive_k and self.adaptive is not None and k > 0:
             req.k_state = self.adaptive.choose(
                 req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
-                batch, k,
+                batch, k, remaining_tokens=req.params.max_new_tokens - len(req.output_ids),
+                catch_up_tokens=len(req.tokens),
             )
             k = req.k_state.k
         remaining = req.params.max_new_tokens - len(req.output_ids)

@@ -70,3 +70,13 @@ def test_calibrate_measures_a_cost_grid(tiny_models):
     assert costs.batches == (1, 4) and costs.qs == (1, 3)
     assert all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
     assert eng.target.num_free_slots == 4
+
+
+def test_prefill_heavy_request_starts_plain():
+    """A long prompt with a short output cannot amortise the draft's prefill; a long output can."""
+    costs = StepCosts(batches=(1,), qs=(1, 5), target_s=((0.0187, 0.024),), draft_s=(0.0015,),
+                      draft_prefill_s_per_token=0.0004)
+    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.7), "draft")
+    cls = policy.traffic_class(0.0, "default")
+    assert policy.choose(None, cls, 0, 0, batch=1, k_max=4, remaining_tokens=4, catch_up_tokens=500).k == 0
+    assert policy.choose(None, cls, 0, 0, batch=1, k_max=4, remaining_tokens=500, catch_up_tokens=500).k > 0
