@@ -1,11 +1,11 @@
 """`specdec-bench regimes`: every regime cell, plain vs fixed-K speculation vs auto (adaptive K),
 interleaved, on the shipped model family, next to the cost model's prediction.
 
-Prediction for a cell = plain / speculative time per token from the cost model
-(K t_D + t_T(K+1) + overhead) / E_K(a), with step costs calibrated on this machine at the cell's
-batch and context length and a = the acceptance measured in the cell's speculative runs. The
-engine's per-forward framework overhead (sampling, bookkeeping) is measured once per engine and
-added to every forward, since at batch 1 on CPU it is a visible share of a step.
+Prediction for a cell = plain / speculative time per token from the cost model,
+(K t_D + t_T(K+1)) / E_K(a) against t_T(1), with step costs calibrated on this machine at the
+cell's batch and context length through the engine's own step phases (so framework overhead is
+inside them) on a synthetic prompt, and a = the per-token acceptance measured in the cell's
+speculative runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_prompts, machine_facts
-from specdec_core import Engine, SamplingParams, StepCosts
+from specdec_core import Engine, SamplingParams
 from specdec_core.costmodel import CostModel
 
 MODES = ("plain", "spec", "auto")
@@ -127,7 +127,7 @@ def _params(cell: Cell, mode: str, seed: int) -> SamplingParams:
     )
 
 
-def run_mode(engine: Engine, cell: Cell, prompts: list[str], mode: str) -> tuple[float, float, list]:
+def run_mode(engine: Engine, cell: Cell, prompts: list[list[int]], mode: str) -> tuple[float, float, list]:
     """Generate for every prompt in batches of ``cell.batch``; return (tokens/s, ms/token/request, outputs)."""
     outs, wall = [], 0.0
     for start in range(0, len(prompts), cell.batch):
@@ -142,38 +142,23 @@ def run_mode(engine: Engine, cell: Cell, prompts: list[str], mode: str) -> tuple
     return tokens / wall, 1000 * wall / groups / per_request_tokens, outs
 
 
-def framework_overhead(engine: Engine, context_len: int) -> float:
-    """Seconds per plain engine step beyond the target forward at batch 1 (sampling, bookkeeping)."""
-    forward = engine.target.time_step(1, 1, context_len, repeats=5)
-    prompt = list(range(10, 10 + context_len))
-    engine.generate([prompt], params=[SamplingParams(max_new_tokens=4, ignore_eos=True)])
-    t0 = time.perf_counter()
-    out = engine.generate([prompt], params=[SamplingParams(max_new_tokens=33, ignore_eos=True)])[0]
-    per_step = (time.perf_counter() - t0 - out.stats.prefill_s) / 32
-    return max(0.0, per_step - forward)
-
-
-def predict(engine: Engine, cell: Cell, acceptance: float, context_len: int, overhead: float) -> tuple[float, float]:
-    """(predicted speedup of fixed K over plain, cost ratio c) at the cell's batch and context."""
-    qs = sorted({1, cell.k + 1})
-    draft = getattr(engine.proposer, "runner", None)
-    t_target = {q: engine.target.time_step(cell.batch, q, context_len) + overhead for q in qs}
-    t_draft = draft.time_step(cell.batch, 1, context_len) + overhead if draft is not None else 0.0
-    costs = StepCosts(batches=(cell.batch,), qs=tuple(qs), target_s=(tuple(t_target[q] for q in qs),),
-                      draft_s=(t_draft,))
+def predict(engine: Engine, cell: Cell, acceptance: float, context_len: int) -> tuple[float, float]:
+    """(predicted speedup of fixed K over plain, cost ratio c) at the cell's batch and context, from
+    step costs calibrated through the engine's own code paths on a separate, synthetic prompt."""
+    costs = engine.calibrate(batches=(cell.batch,), qs=(1, cell.k + 1), context_len=context_len)
     model = CostModel(costs)
     plain = model.plain_time_per_token(cell.batch)
-    # The n-gram proposer may propose fewer than K tokens; K here is the configured one.
     spec = model.spec_time_per_token(cell.batch, cell.k, acceptance)
-    ratio = t_draft / plain
-    return plain / spec, ratio
+    return plain / spec, model.cost_ratio(cell.batch)
 
 
-def run_cell(pool: EnginePool, cell: Cell, reps: int, overheads: dict) -> CellResult:
+def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     engine = pool.get(cell.draft)
     prompts = load_prompts(cell.prompt_set, models_dir=pool.models_dir)
     prompts = (prompts * (cell.num_prompts // len(prompts) + 1))[: cell.num_prompts]
-    context_len = int(statistics.mean(len(engine.encode(p)) for p in prompts) + cell.max_new_tokens / 2)
+    cap = engine.max_model_len - cell.max_new_tokens - 16
+    prompts = [engine.encode(p)[-cap:] for p in prompts]
+    context_len = int(statistics.mean(len(p) for p in prompts) + cell.max_new_tokens / 2)
     for mode in MODES:  # warm-up: caches, allocator, and auto's acceptance statistics
         run_mode(engine, cell, prompts[: cell.batch], mode)
     tok_s = {m: [] for m in MODES}
@@ -190,9 +175,7 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int, overheads: dict) -> CellRe
             elif mode == "auto":
                 auto_outs += outs
     acceptance = judged_acceptance(spec_outs)
-    if cell.draft not in overheads:
-        overheads[cell.draft] = framework_overhead(engine, 64)
-    predicted, ratio = predict(engine, cell, acceptance, context_len, overheads[cell.draft])
+    predicted, ratio = predict(engine, cell, acceptance, context_len)
     med = {m: statistics.median(v) for m, v in tok_s.items()}
     verify_steps = sum(o.stats.verify_steps for o in auto_outs)
     all_steps = verify_steps + sum(o.stats.plain_steps for o in auto_outs)
@@ -233,10 +216,9 @@ def run_regimes(args) -> dict:
         cells = [c for c in cells if c.regime in args.only or c.draft in args.only]
     reps = args.reps or (2 if args.quick else 3)
     pool = EnginePool(models_dir, max_batch=max(c.batch for c in cells))
-    overheads: dict = {}
     results = []
     for cell in tqdm(cells, desc="regime cells", unit="cell"):
-        results.append(run_cell(pool, cell, reps, overheads))
+        results.append(run_cell(pool, cell, reps))
         r = results[-1]
         tqdm.write(
             f"{r.regime:16s} {r.draft:12s} b={r.batch:<3d} T={r.temperature:<4} plain {r.plain_tok_s:7.1f} "
@@ -246,7 +228,6 @@ def run_regimes(args) -> dict:
         )
     return {
         "machine": machine_facts(args.threads),
-        "config": {"quick": args.quick, "k": args.k, "reps": reps, "models": str(models_dir),
-                   "framework_overhead_s": overheads},
+        "config": {"quick": args.quick, "k": args.k, "reps": reps, "models": str(models_dir)},
         "cells": [asdict(r) for r in results],
     }

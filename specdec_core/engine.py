@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 import logging
 import threading
 import time
@@ -173,21 +174,59 @@ class Engine:
             prop = NgramProposer(max_n=ngram_max_n)
         return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size)
 
-    def calibrate(self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64) -> StepCosts:
-        """Time the target at (batch, new tokens) and the draft at batch on this hardware (seconds)."""
-        batches = [b for b in batches if b <= self.target.num_free_slots]
-        draft = getattr(self.proposer, "runner", None)
-        costs = calibrate(
-            lambda b, q: self.target.time_step(b, q, context_len),
-            (lambda b: draft.time_step(b, 1, context_len)) if draft is not None else None,
-            batches=batches,
-            qs=qs,
-        )
-        if draft is None:
+    def calibrate(
+        self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 3
+    ) -> StepCosts:
+        """Measure step costs on this hardware through the engine's own code paths (seconds).
+
+        For each batch b and verify width q = K+1, b requests decode with fixed K on a periodic
+        prompt (so every proposer proposes all K tokens): t_T(b, q) is the verify phase of a step
+        (target forward + sampling + bookkeeping), t_D(b) the propose phase per draft token. The
+        framework overhead is thereby inside the costs, as it is inside real steps. The engine
+        must be idle.
+        """
+        if self.has_work():
+            raise RuntimeError("calibrate needs an idle engine")
+        batches = [b for b in batches if b <= min(self.max_batch_size, self.target.num_free_slots)]
+        draft_s = {}
+
+        def time_target(b: int, q: int) -> float:
+            verify, propose = self._time_steps(b, q - 1, context_len, steps)
+            if q > 1:
+                draft_s.setdefault(b, []).append(propose / (q - 1))
+            return verify
+
+        costs = calibrate(time_target, None, batches=batches, qs=qs)
+        if self.proposer is None or max(qs) == 1:
             return costs
-        prefill_tokens = min(256, draft.max_len - 1)
-        per_token = draft.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
-        return dataclasses.replace(costs, draft_prefill_s_per_token=per_token)
+        draft = tuple(statistics.median(draft_s[b]) for b in batches)
+        runner = getattr(self.proposer, "runner", None)
+        per_token = 0.0
+        if runner is not None:
+            prefill_tokens = min(256, runner.max_len - 1)
+            per_token = runner.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
+        return dataclasses.replace(costs, draft_s=draft, draft_prefill_s_per_token=per_token)
+
+    def _time_steps(self, batch: int, k: int, context_len: int, steps: int) -> tuple[float, float]:
+        """Median (verify seconds, propose seconds) of ``steps`` decode steps at this batch and K."""
+        params = SamplingParams(max_new_tokens=(steps + 3) * (k + 1), ignore_eos=True, num_speculative_tokens=k)
+        context_len = min(context_len, self.max_model_len - params.max_new_tokens)
+        period = [(7 * i + 3) % self.target.vocab_size for i in range(7)]
+        prompt = (period * (context_len // 7 + 1))[:context_len]
+        ids = [self.add_request(prompt, params) for _ in range(batch)]
+        verify, propose = [], []
+        try:
+            self.step()  # prefill
+            self.step()  # the draft's catch-up on the prompt
+            for _ in range(steps):
+                self.step()
+                verify.append(self.last_step.verify_s)
+                propose.append(self.last_step.propose_s)
+        finally:
+            for rid in ids:
+                self.abort(rid)
+            self.step()
+        return statistics.median(verify), statistics.median(propose)
 
     def enable_adaptive(
         self, costs: StepCosts | None = None, tracker: AcceptanceTracker | None = None, topology: str = "colocated"
