@@ -142,13 +142,21 @@ def run_mode(engine: Engine, cell: Cell, prompts: list[list[int]], mode: str) ->
     return tokens / wall, 1000 * wall / groups / per_request_tokens, outs
 
 
-def predict(engine: Engine, cell: Cell, acceptance: float, context_len: int) -> tuple[float, float]:
-    """(predicted speedup of fixed K over plain, cost ratio c) at the cell's batch and context, from
-    step costs calibrated through the engine's own code paths on a separate, synthetic prompt."""
+def predict(engine: Engine, cell: Cell, acceptance: float, prompt_len: int) -> tuple[float, float]:
+    """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole requests.
+
+    Decode costs are calibrated through the engine's own step phases at the cell's batch and
+    context (on a synthetic prompt); a request also pays the target's prefill, and with
+    speculation the draft's prefill, which short outputs cannot amortise (prefill-heavy).
+    """
+    context_len = prompt_len + cell.max_new_tokens // 2
     costs = engine.calibrate(batches=(cell.batch,), qs=(1, cell.k + 1), context_len=context_len)
     model = CostModel(costs)
-    plain = model.plain_time_per_token(cell.batch)
-    spec = model.spec_time_per_token(cell.batch, cell.k, acceptance)
+    target_prefill = engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2)
+    draft_prefill = costs.draft_prefill_s_per_token * prompt_len * cell.batch
+    decode = cell.max_new_tokens - 1  # the first token comes from the target's prefill
+    plain = target_prefill + decode * model.plain_time_per_token(cell.batch)
+    spec = target_prefill + draft_prefill + decode * model.spec_time_per_token(cell.batch, cell.k, acceptance)
     return plain / spec, model.cost_ratio(cell.batch)
 
 
@@ -158,7 +166,7 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     prompts = (prompts * (cell.num_prompts // len(prompts) + 1))[: cell.num_prompts]
     cap = engine.max_model_len - cell.max_new_tokens - 16
     prompts = [engine.encode(p)[-cap:] for p in prompts]
-    context_len = int(statistics.mean(len(p) for p in prompts) + cell.max_new_tokens / 2)
+    prompt_len = int(statistics.mean(len(p) for p in prompts))
     for mode in MODES:  # warm-up: caches, allocator, and auto's acceptance statistics
         run_mode(engine, cell, prompts[: cell.batch], mode)
     tok_s = {m: [] for m in MODES}
@@ -175,7 +183,7 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
             elif mode == "auto":
                 auto_outs += outs
     acceptance = judged_acceptance(spec_outs)
-    predicted, ratio = predict(engine, cell, acceptance, context_len)
+    predicted, ratio = predict(engine, cell, acceptance, prompt_len)
     med = {m: statistics.median(v) for m, v in tok_s.items()}
     verify_steps = sum(o.stats.verify_steps for o in auto_outs)
     all_steps = verify_steps + sum(o.stats.plain_steps for o in auto_outs)
