@@ -58,8 +58,10 @@ class AppConfig(BaseModel):
     auto_max_temperature: float = Field(0.7, ge=0, description="mode=auto speculates only at or below this "
                                                                "temperature (placeholder rule).")
     verify_max_batch_size: int = Field(32, ge=1, description="Target: most verify calls fused into one forward.")
-    verify_batch_wait_s: float = Field(0.002, ge=0, description="Target/Draft: how long @serve.batch waits to fill "
-                                                                "a batch after its first call.")
+    verify_batch_wait_s: float = Field(0.0, ge=0, description="Target/Draft: how long @serve.batch waits to fill a "
+                                                              "batch after its first call. 0: no wait; calls that "
+                                                              "arrive during a forward still form the next batch "
+                                                              "(measured: a 2 ms wait costs ~3 ms/step at batch 1).")
 
     # ---- API --------------------------------------------------------------------------------------
     max_inflight_requests: int = Field(64, ge=1, description="Requests the router serves at once; above it new "
@@ -83,7 +85,7 @@ class AppConfig(BaseModel):
                                                  description="Separate topology: the Target deployment.")
 
     @model_validator(mode="after")
-    def _check(self) -> "AppConfig":
+    def _check(self) -> AppConfig:
         if self.router.num_replicas < 1:
             raise ValueError("router.num_replicas must be >= 1")
         if self.default_k > self.k_max:
@@ -107,7 +109,7 @@ class AppConfig(BaseModel):
     def has_separate(self) -> bool:
         return self.draft is not None and self.target_deployment.num_replicas > 0
 
-    def resolved(self) -> "AppConfig":
+    def resolved(self) -> AppConfig:
         """A copy with local model paths made absolute, so replicas find them whatever their cwd."""
         return self.model_copy(update={"target": resolve_model_path(self.target),
                                        "draft": resolve_model_path(self.draft) if self.draft else None})

@@ -74,6 +74,7 @@ class Draft:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
         self._released = Tombstones()
         self._max_batch = 0
+        self._fail_next = 0
         self._propose_batch.set_max_batch_size(cfg.verify_max_batch_size)
         self._propose_batch.set_batch_wait_timeout_s(cfg.verify_batch_wait_s)
         logger.info("Draft ready: %s slots=%d", cfg.draft, runner.num_slots)
@@ -81,10 +82,10 @@ class Draft:
     async def propose(self, session_id: str, token_ids: list[int], k: int, sampling: dict) -> Proposal:
         result = await self._propose_batch(session_id, list(token_ids), int(k), sampling)
         if isinstance(result, _Failed):
-            raise RuntimeError(result.message)
+            raise RuntimeError(result.message)  # noqa: TRY004 - a per-item failure, not a type error
         return result
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
     async def _propose_batch(self, session_ids, histories, ks, samplings) -> list:
         return await asyncio.get_running_loop().run_in_executor(
             self._worker, self._propose_sync, session_ids, histories, ks, samplings
@@ -99,6 +100,10 @@ class Draft:
         for i, (sid, hist, k, smp) in enumerate(zip(session_ids, histories, ks, samplings)):
             if sid in self._released:
                 results[i] = _Failed(f"session {sid} was released")
+                continue
+            if self._fail_next > 0:
+                self._fail_next -= 1
+                results[i] = _Failed("injected draft failure (fail_next_proposals)")
                 continue
             if len(hist) + k > runner.max_len:
                 results[i] = _Failed(f"draft context full: {len(hist)} tokens + k={k} > {runner.max_len}")
@@ -120,7 +125,7 @@ class Draft:
                 for i, req, prop in zip(index, requests, self.proposer.propose(requests)):
                     # Greedy q is one-hot on the proposed tokens: the verifier rebuilds it from the ids.
                     results[i] = Proposal(prop.token_ids, None if req.temperature <= 0 else prop.probs)
-            except Exception as exc:  # noqa: BLE001 - every caller degrades to plain verify
+            except Exception as exc:
                 logger.exception("draft propose failed for %d session(s)", len(requests))
                 for i, req in zip(index, requests):
                     self.proposer.release(req.seq_id)
@@ -136,6 +141,10 @@ class Draft:
         self._generators.pop(session_id, None)
         self._released.add(session_id)
         return held
+
+    async def fail_next_proposals(self, n: int) -> None:
+        """Fault injection for tests and drills: the next ``n`` propose calls on this replica fail."""
+        self._fail_next = int(n)
 
     async def stats(self) -> dict:
         runner = self.proposer.runner

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 from ray import serve
@@ -32,6 +32,7 @@ def sampling_params(req: dict) -> SamplingParams:
         stop=tuple(req.get("stop") or ()),
         ignore_eos=bool(req.get("ignore_eos", False)),
         num_speculative_tokens=int(req.get("k", 0)),
+        domain=req.get("domain") or "default",
     )
 
 
@@ -53,12 +54,13 @@ class EngineReplica:
         )
         self.engine = AsyncEngine(engine)
         self._served = 0
+        self._aborted = 0
         logger.info("EngineReplica(%s) ready: target=%s draft=%s slots=%d max_len=%d", pool, cfg.target,
                     cfg.draft if speculative else None, engine.target.num_slots, engine.max_model_len)
 
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream one request (call with ``handle.options(stream=True)``). ``req``: prompt_ids,
-        max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, request_id.
+        max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, domain, request_id.
 
         Yields {"token_ids", "text", "finished", "finish_reason", "stats"} deltas; stats (a
         ``RequestStats.as_dict()``) only on the last. Leaving early (caller cancels, client gone)
@@ -78,18 +80,27 @@ class EngineReplica:
                     "stats": out.stats.as_dict() if out.finished else None,
                 }
         finally:
-            await stream.aclose()  # early exit: aborts the request in the engine, frees its slots
-            self._served += 1
-            s = last.stats if last is not None else None
-            logger.info(
-                "request %s pool=%s mode=%s topology=%s k=%d prompt=%d output=%d proposed=%d accepted=%d "
-                "acceptance=%.3f mean_len=%.2f latency=%.3fs finish=%s",
-                req.get("request_id"), self.pool, "speculative" if params.num_speculative_tokens else "plain",
-                "colocated" if params.num_speculative_tokens else None, params.num_speculative_tokens,
-                len(req["prompt_ids"]), s.output_tokens if s else 0, s.proposed if s else 0,
-                s.accepted if s else 0, s.acceptance_rate if s else 0.0, s.mean_acceptance_length if s else 1.0,
-                time.perf_counter() - t0, (last.finish_reason if last is not None and last.finished else "abort"),
-            )
+            try:
+                await stream.aclose()  # early exit: aborts the request in the engine, frees its slots
+            finally:
+                self._log(req, params, last, time.perf_counter() - t0)
+
+    def _log(self, req: dict, params, last, latency_s: float) -> None:
+        """The one log line per request (mode, topology, tokens, acceptance, latency)."""
+        self._served += 1
+        finished = last is not None and last.finished
+        if not finished:
+            self._aborted += 1
+        s = last.stats if last is not None else None
+        k = params.num_speculative_tokens
+        logger.info(
+            "request %s pool=%s mode=%s topology=%s k=%d prompt=%d output=%d proposed=%d accepted=%d "
+            "acceptance=%.3f mean_len=%.2f latency=%.3fs finish=%s",
+            req.get("request_id"), self.pool, "speculative" if k else "plain", "colocated" if k else None, k,
+            len(req["prompt_ids"]), s.output_tokens if s else 0, s.proposed if s else 0, s.accepted if s else 0,
+            s.acceptance_rate if s else 0.0, s.mean_acceptance_length if s else 1.0, latency_s,
+            last.finish_reason if finished else "abort",
+        )
 
     async def stats(self) -> dict:
         """Load and state: what the router and the tests read."""
@@ -107,6 +118,7 @@ class EngineReplica:
             "draft_free_slots": e.proposer.runner.num_free_slots if hasattr(e.proposer, "runner") else None,
             "streams": len(self.engine._streams),
             "served": self._served,
+            "aborted": self._aborted,
         }
 
     def check_health(self) -> None:
@@ -116,5 +128,5 @@ class EngineReplica:
     def __del__(self):
         try:
             self.engine.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception:
+            logger.debug("engine shutdown failed", exc_info=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,10 +23,10 @@ class SpeculationOptions(BaseModel):
     mode: Literal["auto", "speculative", "plain"] = Field(
         "auto", description="auto: the router decides; speculative: always speculate; plain: never."
     )
-    num_speculative_tokens: Optional[int] = Field(
+    num_speculative_tokens: int | None = Field(
         None, ge=0, le=16, description="K; null: the router's choice; 0 means plain decoding."
     )
-    topology: Optional[Literal["colocated", "separate"]] = Field(
+    topology: Literal["colocated", "separate"] | None = Field(
         None, description="Where to speculate: draft and target in one replica, or in two deployments."
     )
 
@@ -38,19 +38,19 @@ class StreamOptions(BaseModel):
 class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
+    model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: StreamOptions | None = None
     n: int = 1
-    user: Optional[str] = None
+    user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
-    speculation: Optional[SpeculationOptions] = None
+    speculation: SpeculationOptions | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -60,19 +60,19 @@ class _GenerationFields(BaseModel):
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = Field(None, ge=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
     echo: bool = False
-    logprobs: Optional[int] = None
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -89,9 +89,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[bool] = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------------

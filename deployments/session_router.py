@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from typing import Awaitable, Callable, List, Optional, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -47,9 +48,9 @@ class SessionAffinityRouter(RequestRouter):
 
     async def choose_replicas(
         self,
-        candidate_replicas: List[RunningReplica],
-        pending_request: Optional[PendingRequest] = None,
-    ) -> List[List[RunningReplica]]:
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         session_id = pending_request.metadata.session_id if pending_request is not None else ""

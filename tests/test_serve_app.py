@@ -1,0 +1,390 @@
+"""The Ray Serve app end to end: one local Ray cluster and one Serve app (plain, co-located and
+separate paths, two Target replicas) on the tiny models, shared by every test in this module.
+HTTP goes to 127.0.0.1 on a free port, with httpx and with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LEN = 512
+MAX_INFLIGHT = 20
+APP = "specdec"
+
+PLAIN = {"mode": "plain"}
+COLOCATED = {"mode": "speculative", "topology": "colocated", "num_speculative_tokens": 4}
+SEPARATE = {"mode": "speculative", "topology": "separate", "num_speculative_tokens": 4}
+PATHS = {"plain": PLAIN, "colocated": COLOCATED, "separate": SEPARATE}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(models: dict) -> dict:
+    small = {"num_cpus": 0.1}
+    return {
+        "target": models["target"],
+        "draft": models["draft"],
+        "model_name": "tiny",
+        "max_model_len": MAX_LEN,
+        "max_inflight_requests": MAX_INFLIGHT,
+        "router": small,
+        "plain": small,
+        "colocated": small,
+        "draft_deployment": small,
+        "target_deployment": {"num_cpus": 0.1, "num_replicas": 2},
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args(tiny_models)), name=APP, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server["url"], timeout=120) as c:
+        yield c
+
+
+def complete(client, prompt="It is a truth universally", **kw) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **kw}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stats(server) -> dict:
+    return server["router"].pool_stats.remote().result(timeout_s=60)
+
+
+def wait_idle(server, timeout=30.0) -> dict:
+    """Poll until every replica holds no session, runs nothing and has all KV slots free."""
+    deadline = time.time() + timeout
+    while True:
+        s = stats(server)
+        engine = s["plain"] + s["colocated"]
+        busy = (
+            s["router"]["inflight"] or s["router"]["background"] or any(s["router"]["active"].values())
+            or any(r["running"] or r["waiting"] or r["sessions"] or r["streams"] or r["free_slots"] != r["total_slots"]
+                   for r in engine)
+            or any(r["draft_free_slots"] not in (None, r["total_slots"]) for r in engine)
+            or any(r["sessions"] or r["free_slots"] != r["total_slots"] for r in s["draft"] + s["target"])
+        )
+        if not busy:
+            return s
+        if time.time() > deadline:
+            pytest.fail(f"replicas did not return to idle: {json.dumps(s)}")
+        time.sleep(0.2)
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# ---- basics -------------------------------------------------------------------------------------
+
+
+def test_health_models(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_completion_and_chat_httpx(client):
+    out = complete(client, max_tokens=8)
+    choice = out["choices"][0]
+    assert out["object"] == "text_completion" and isinstance(choice["text"], str)
+    assert out["usage"]["completion_tokens"] == 8 == len(choice["token_ids"])
+    spec = out["speculation"]
+    assert set(spec) >= {"mode", "topology", "num_speculative_tokens", "proposed_tokens", "accepted_tokens",
+                         "acceptance_rate", "mean_acceptance_length"}
+    # token-id prompt: same tokens as the string prompt gives the same output
+    ids_out = complete(client, prompt=[5, 17, 42], max_tokens=4)
+    assert ids_out["usage"]["prompt_tokens"] == 3
+    r = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    chat = r.json()
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] == 6 and "speculation" in chat
+
+
+def test_openai_client(server):
+    import openai
+
+    oc = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in oc.models.list().data] == ["tiny"]
+    c = oc.completions.create(model="tiny", prompt="In the beginning", max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True, "speculation": COLOCATED})
+    assert c.usage.completion_tokens == 6 and c.choices[0].finish_reason == "length"
+    assert c.model_extra["speculation"]["topology"] == "colocated"
+    chat = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=5,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    chunks = list(oc.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].model_extra["speculation"] is not None
+    with pytest.raises(openai.NotFoundError):
+        oc.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+# ---- equivalence across paths, streaming, concurrency ----------------------------------------------
+
+
+def test_greedy_identical_across_paths(client):
+    outs = {name: complete(client, speculation=spec) for name, spec in PATHS.items()}
+    ref = outs["plain"]["choices"][0]
+    for name, out in outs.items():
+        assert out["choices"][0]["token_ids"] == ref["token_ids"], name
+        assert out["choices"][0]["text"] == ref["text"], name
+        spec = out["speculation"]
+        assert spec["topology"] == (None if name == "plain" else name)
+        assert spec["num_speculative_tokens"] == (0 if name == "plain" else 4)
+        if name != "plain":
+            assert spec["proposed_tokens"] > 0 and 1.0 <= spec["mean_acceptance_length"] <= 5.0
+
+
+def test_stop_string_identical_across_paths(client):
+    ref = complete(client, prompt="In the beginning", max_tokens=40, speculation=PLAIN)["choices"][0]["text"]
+    starts = [i for i in range(3, len(ref) - 1) if ref[i:i + 2].isascii() and ref[i:i + 2].isalnum()]
+    if not starts:
+        pytest.skip(f"no ASCII stop candidate in {ref!r}")
+    stop = ref[starts[0]:starts[0] + 2]
+    outs = {name: complete(client, prompt="In the beginning", max_tokens=40, stop=[stop, "@@never@@"],
+                           speculation=spec)["choices"][0] for name, spec in PATHS.items()}
+    for name, out in outs.items():
+        assert out["finish_reason"] == "stop", name
+        assert out["text"] == ref[: ref.find(stop)], name
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_stream_concatenates_to_nonstream(client, path):
+    ref = complete(client, prompt="for i in range(10):", speculation=PATHS[path], max_tokens=20)
+    body = {"model": "tiny", "prompt": "for i in range(10):", "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True},
+            "speculation": PATHS[path]}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref["choices"][0]["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ref["choices"][0]["token_ids"]
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "length" and final["speculation"]["topology"] == ref[
+        "speculation"]["topology"]
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 20
+
+
+def test_concurrent_greedy_equal_solo(server, client):
+    prompts = [f"Request {i}: it is a truth" for i in range(16)]
+    paths = [list(PATHS)[i % 3] for i in range(16)]
+    solo = [complete(client, prompt=p, speculation=PATHS[path], max_tokens=16)["choices"][0]["token_ids"]
+            for p, path in zip(prompts, paths)]
+    before = stats(server)
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            async def one(p, path):
+                r = await ac.post("/v1/completions", json={
+                    "model": "tiny", "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "speculation": PATHS[path]})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(p, path) for p, path in zip(prompts, paths)))
+
+    together = asyncio.run(run_all())
+    assert together == solo
+    after = wait_idle(server)
+    # session affinity on the real path: every separate session opened on exactly one Target replica
+    opened = sum(r["sessions_opened"] for r in after["target"]) - sum(r["sessions_opened"] for r in before["target"])
+    assert opened == paths.count("separate")
+
+
+def test_sampling_seeded_reproducible(client):
+    for spec in PATHS.values():
+        a = complete(client, temperature=0.9, seed=7, speculation=spec, max_tokens=12)
+        b = complete(client, temperature=0.9, seed=7, speculation=spec, max_tokens=12)
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+
+
+def test_draft_failure_degrades_to_plain(server, client):
+    ref = complete(client, speculation=PLAIN, max_tokens=20)
+    draft = __import__("ray").serve.get_deployment_handle("Draft", APP)
+    failures = stats(server)["router"]["draft_failures"]
+    draft.fail_next_proposals.remote(1).result(timeout_s=30)
+    out = complete(client, speculation=SEPARATE, max_tokens=20)
+    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert out["speculation"]["proposed_tokens"] == 0  # the first propose failed: plain for the rest
+    assert stats(server)["router"]["draft_failures"] == failures + 1
+    wait_idle(server)
+
+
+# ---- errors, overload, disconnects ----------------------------------------------------------------
+
+
+def _assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_errors(client):
+    post = lambda body, path="/v1/completions": client.post(path, json={"model": "tiny", **body})
+    _assert_error(post({"prompt": "x", "max_tokens": -1}), 400, "max_tokens")
+    _assert_error(post({"prompt": "x", "temperature": 3.5}), 400, "temperature")
+    _assert_error(post({"prompt": "x", "top_p": 0}), 400, "top_p")
+    _assert_error(post({"prompt": "x", "n": 2}), 400, "n")
+    _assert_error(post({"prompt": "x", "speculation": {"mode": "turbo"}}), 400, "speculation.mode")
+    _assert_error(post({"prompt": "x", "speculation": {"mode": "plain", "topology": "separate"}}), 400,
+                  "speculation")
+    _assert_error(post({"prompt": "x", "speculation": {"num_speculative_tokens": 99}}), 400)
+    _assert_error(post({"prompt": [5, -1, 3]}), 400, "prompt")
+    _assert_error(post({"prompt": [5, 10**6]}), 400, "prompt")
+    _assert_error(post({"prompt": ""}), 400, "prompt")
+    _assert_error(post({"prompt": ["a", "b"]}), 400, "prompt")
+    _assert_error(post({"messages": []}, "/v1/chat/completions"), 400, "messages")
+    _assert_error(client.post("/v1/completions", content=b"{not json"), 400)
+    _assert_error(post({"prompt": "x", "model": "gpt-4"}), 404, "model")
+    _assert_error(post({"prompt": [7] * (MAX_LEN + 10)}), 413, "prompt")
+    _assert_error(post({"prompt": [7] * 100, "max_tokens": MAX_LEN}), 400, "max_tokens")
+    # the server still answers, correctly
+    out = complete(client, max_tokens=4)
+    assert out["usage"]["completion_tokens"] == 4
+
+
+def test_overload_503_and_disconnect_frees_everything(server):
+    """Fill the bounded queue with long streams (co-located and separate: slow enough to still run
+    when the extra request arrives), check 503 for one more, then drop every client mid-stream:
+    sessions and KV slots must all come back."""
+    paths = ["colocated" if i % 2 else "separate" for i in range(MAX_INFLIGHT)]
+    before = stats(server)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            streams, responses = [], []
+            for path in paths:
+                req = ac.build_request("POST", "/v1/completions", json={
+                    "model": "tiny", "prompt": "It is a truth", "max_tokens": 400, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "speculation": PATHS[path]})
+                responses.append(ac.send(req, stream=True))
+            responses = await asyncio.gather(*responses)
+            for r in responses:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: "):
+                    pass
+                streams.append(lines)
+            busy = await asyncio.to_thread(stats, server)
+            extra = await ac.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            for r in responses:  # disconnect mid-stream
+                await r.aclose()
+            return busy, extra
+
+    busy, extra = asyncio.run(scenario())
+    assert busy["router"]["inflight"] == MAX_INFLIGHT
+    assert busy["router"]["active"]["separate"] == paths.count("separate")
+    assert sum(r["running"] for r in busy["colocated"]) >= 1
+    assert sum(r["sessions"] for r in busy["target"]) >= 1
+    _assert_error(extra, 503)
+    assert extra.json()["error"]["code"] == "overloaded"
+    after = wait_idle(server, timeout=60)
+    aborted = lambda s: sum(r["aborted"] for r in s["plain"] + s["colocated"])
+    assert aborted(after) - aborted(before) == paths.count("colocated")
+    assert after["router"]["separate_aborted"] - before["router"]["separate_aborted"] == paths.count("separate")
+    assert max(r["max_batch"] for r in after["target"]) >= 2  # verify calls of concurrent sessions fused
+    with httpx.Client(base_url=server["url"], timeout=60) as c:
+        assert complete(c, max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_nonstream_client_timeout_frees_everything(server):
+    """A non-streamed request whose client gives up: Serve cancels the handler, the engine aborts
+    (co-located) or the router releases both sides (separate)."""
+    before = stats(server)
+    for spec in (COLOCATED, SEPARATE):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server["url"] + "/v1/completions", timeout=httpx.Timeout(60, read=0.5), json={
+                "model": "tiny", "prompt": "It is a truth", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "speculation": spec})
+    after = wait_idle(server, timeout=60)
+    assert sum(r["aborted"] for r in after["colocated"]) == sum(r["aborted"] for r in before["colocated"]) + 1
+    assert after["router"]["separate_aborted"] == before["router"]["separate_aborted"] + 1
+
+
+# ---- session affinity and the 2.60 gather bug -----------------------------------------------------------
+
+
+def test_session_affinity_gather_regression(server):
+    """Concurrent pinned calls from inside one request (asyncio.gather in the Router replica):
+    with the workaround (a fresh internal request id per call) they complete, and each session
+    lands on the same replica every time; the replica set is the two Target replicas."""
+    router = server["router"]
+    sessions = [f"affinity-{i}" for i in range(12)]
+    first = router.probe_sessions.remote("target", sessions).result(timeout_s=60)
+    second = router.probe_sessions.remote("target", list(reversed(sessions))).result(timeout_s=60)
+    assert "placement" in first and "placement" in second, (first, second)
+    a = [p["replica"] for p in first["placement"]]
+    b = [p["replica"] for p in reversed(second["placement"])]
+    assert a == b
+    from deployments.session_router import owner
+
+    replicas = sorted({r["replica"] for r in stats(server)["target"]})
+    assert len(replicas) == 2
+    assert a == [owner(s, replicas) for s in sessions]  # rendezvous hashing, computable anywhere
+    assert len(set(a)) == 2  # 12 sessions spread over both replicas (fixed ids: deterministic)
+    draft = router.probe_sessions.remote("draft", sessions).result(timeout_s=60)
+    assert len(draft["placement"]) == len(sessions)
+
+
+@pytest.mark.skipif(__import__("ray").__version__ != "2.60.0", reason="documents the Ray 2.60 bug")
+def test_gather_without_workaround_hangs_in_ray_2_60(server):
+    """Canary: if this starts failing, Ray fixed the bug and pinned_gather's workaround can go."""
+    out = server["router"].probe_sessions.remote(
+        "target", [f"canary-{i}" for i in range(4)], fresh_ids=False, timeout_s=3.0).result(timeout_s=60)
+    assert out == {"timed_out": True}
+    # the router recovers: the same probe with the workaround works right after
+    ok = server["router"].probe_sessions.remote("target", [f"canary-{i}" for i in range(4)]).result(timeout_s=60)
+    assert len(ok["placement"]) == 4
