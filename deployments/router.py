@@ -30,7 +30,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,9 +41,8 @@ from deployments import schemas
 from deployments.config import AppConfig
 from deployments.metrics import RouterMetrics
 from deployments.session_router import pinned_gather
-from specdec_core import Engine, RequestStats, SamplingParams
-from specdec_core.detokenizer import DetokenizerState, detokenize_incrementally
-from specdec_core.engine import _eos_ids
+from specdec_core import RequestStats, SamplingParams
+from specdec_core.request import RequestState, eos_token_ids
 
 logger = logging.getLogger("ray.serve")
 
@@ -179,69 +177,14 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 # ---- the separate topology's request state ----------------------------------------------------------
 
 
-class SeparateRequest:
-    """The authoritative history of one separate-topology request and its stopping rules: EOS,
-    token budget and stop strings applied token by token, and incremental detokenization, exactly
-    as ``Engine._commit`` / ``_finish`` / ``_output`` do, so output matches the engine's
-    (tests/test_serve_app.py checks greedy equality across the three paths, stop strings included)."""
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer, eos_ids: set[int]):
-        self.params = params
-        self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
-        self.tokens = list(prompt_ids)
-        self.output_ids: list[int] = []
-        self.text = ""  # decoded output; final (full decode, stop string cut) once finished
-        self.finish_reason: str | None = None
-        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
-        self._detok = DetokenizerState()
-        self._sent_tokens = 0
-        self._sent_text = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def next_k(self, k: int, max_len: int) -> int:
-        """K for the next step: a verify emits up to K+1 tokens, so never propose past the token
-        budget or the context (as ``Engine._choose_k``)."""
-        remaining = self.params.max_new_tokens - len(self.output_ids)
-        room = max_len - len(self.tokens)
-        return max(0, min(k, remaining - 1, room))
-
-    def commit(self, emitted: list[int]) -> None:
-        for token in emitted:
-            if token in self.eos_ids and not self.params.ignore_eos:
-                self._finish("stop")
-                return
-            self.tokens.append(token)
-            self.output_ids.append(token)
-            if self.params.stop:
-                self.text += detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
-                if Engine._stop_index(self.text, self.params.stop) is not None:
-                    self._finish("stop")
-                    return
-            if len(self.output_ids) >= self.params.max_new_tokens:
-                self._finish("length")
-                return
-
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        if self.params.stop:
-            cut = Engine._stop_index(self.text, self.params.stop)
-            self.text = self.text if cut is None else self.text[:cut]
+class SeparateRequest(RequestState):
+    """One separate-topology request: the same history, stopping rules and detokenization as the
+    engine's requests (``specdec_core.request``), reported in the engine replicas' delta format."""
 
     def delta(self) -> dict:
-        """What the last commit added, in the engine replicas' delta format."""
-        if not self.finished and not self.params.stop:
-            self.text += detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
-        self.stats.output_tokens = len(self.output_ids)
-        new_ids = self.output_ids[self._sent_tokens:]
-        new_text = self.text[self._sent_text:]
-        self._sent_tokens, self._sent_text = len(self.output_ids), max(self._sent_text, len(self.text))
-        return {"token_ids": new_ids, "text": new_text, "finished": self.finished,
-                "finish_reason": self.finish_reason, "stats": self.stats.as_dict() if self.finished else None}
+        out = self.output()
+        return {"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
+                "finish_reason": out.finish_reason, "stats": out.stats.as_dict() if out.finished else None}
 
 
 class _Admission:
@@ -342,7 +285,7 @@ class Router:
             gen_cfg = GenerationConfig.from_pretrained(self.cfg.target)
         except Exception:  # noqa: BLE001 - checkpoints without generation_config.json
             gen_cfg = None
-        self.eos_ids = _eos_ids(self.tokenizer, SimpleNamespace(generation_config=gen_cfg))
+        self.eos_ids = eos_token_ids(self.tokenizer, gen_cfg)
         self.settings = RouteSettings(self.cfg.default_k, self.cfg.k_max, self.cfg.auto_max_running,
                                       self.cfg.auto_max_temperature)
         self._inflight = 0
@@ -641,14 +584,14 @@ class Router:
         draft = self._draft.options(session_id=sid)
         target = self._target.options(session_id=sid)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed}
-        req = SeparateRequest(plan.prompt_ids, p, self.tokenizer, self.eos_ids)
+        req = SeparateRequest(plan.request_id, plan.prompt_ids, p, self.tokenizer, self.eos_ids)
         t0 = time.perf_counter()
         draft_used = draft_failed = False
         first = True
         try:
             while not req.finished:
                 # Step 1 is the target's prefill, without a proposal (as in the engine).
-                k = 0 if first or draft_failed else req.next_k(p.num_speculative_tokens, self.max_model_len)
+                k = 0 if first or draft_failed else req.budget_k(p.num_speculative_tokens, self.max_model_len)
                 history = list(req.tokens)
                 if k > 0:
                     draft_used = True

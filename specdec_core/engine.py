@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import statistics
 import logging
+import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -27,51 +27,12 @@ import torch
 from specdec_core.acceptance import AcceptanceTracker
 from specdec_core.adaptive import AdaptiveK, KState
 from specdec_core.costmodel import CostModel, StepCosts, calibrate
-from specdec_core.detokenizer import DetokenizerState, detokenize_incrementally
+from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from specdec_core.runner import ModelRunner, load_tokenizer
-from specdec_core.stats import RequestStats
 from specdec_core.verifier import Verifier, VerifyItem
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no limit
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    ignore_eos: bool = False
-    num_speculative_tokens: int = 0  # K; 0 = plain decoding; the upper bound of K when adaptive_k
-    adaptive_k: bool = False  # re-choose K every step from the cost model and acceptance (engine needs one)
-    domain: str = "default"  # traffic-class key for acceptance statistics (e.g. the OpenAI `user`)
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.temperature <= 100:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # every output token so far (EOS excluded)
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    stats: RequestStats
-    new_token_ids: list[int]  # tokens added since this request's previous output
-    new_text: str
 
 
 @dataclass
@@ -85,23 +46,14 @@ class StepTiming:
     total_s: float = 0.0
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    arrival: float
-    tokens: list[int] = field(default_factory=list)  # prompt + output: the authoritative history
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""  # decoded output; final (full decode, stop string cut) once finished
-    detok: DetokenizerState = field(default_factory=DetokenizerState)
-    sent_tokens: int = 0
-    sent_text: int = 0
-    stats: RequestStats = field(default_factory=RequestStats)
-    finish_reason: str | None = None
-    draft_failed: bool = False
-    k_state: KState | None = None  # adaptive K of this request
+class _Request(RequestState):
+    """A request's state plus what only the engine needs: its random stream and speculation state."""
+
+    def __init__(self, request_id, prompt_ids, params, tokenizer, eos_ids, generator):
+        super().__init__(request_id, prompt_ids, params, tokenizer, eos_ids)
+        self.generator = generator
+        self.draft_failed = False
+        self.k_state: KState | None = None  # adaptive K of this request
 
 
 class Engine:
@@ -120,7 +72,7 @@ class Engine:
         self.max_batch_size = min(max_batch_size, target.num_slots)
         self.adaptive = adaptive
         self.max_model_len = target.max_len
-        self.eos_token_ids = _eos_ids(tokenizer, target.model)
+        self.eos_token_ids = eos_token_ids(tokenizer, target.model.generation_config)
         self.last_step = StepTiming()
         self._incoming: deque[_Request] = deque()
         self._waiting: deque[_Request] = deque()
@@ -272,14 +224,8 @@ class Engine:
             else:
                 generator.seed()
         req = _Request(
-            request_id=request_id or f"req-{next(self._ids)}",
-            prompt_ids=prompt_ids,
-            params=params,
-            generator=generator,
-            arrival=time.perf_counter(),
-            tokens=list(prompt_ids),
+            request_id or f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer, self.eos_token_ids, generator
         )
-        req.stats.prompt_tokens = len(prompt_ids)
         self._incoming.append(req)
         return req.request_id
 
@@ -330,7 +276,7 @@ class Engine:
         self.last_step = timing
         for req in decoding:
             req.stats.decode_s += timing.total_s - timing.prefill_s
-        outputs += [self._output(r, stream_text) for r in admitted + decoding]
+        outputs += [r.output(stream_text) for r in admitted + decoding]
         self._running = [r for r in self._running if r.finish_reason is None]
         return outputs
 
@@ -357,10 +303,7 @@ class Engine:
                 catch_up_tokens=len(req.tokens),
             )
             k = req.k_state.k
-        remaining = req.params.max_new_tokens - len(req.output_ids)
-        room = self.max_model_len - len(req.tokens)
-        # A verify emits up to K+1 tokens: proposing past the token budget or the context is waste.
-        return max(0, min(k, remaining - 1, room))
+        return req.budget_k(k, self.max_model_len)
 
     def _propose(self, rows: list[_Request], ks: list[int]) -> list[Proposal]:
         proposals = [Proposal([], None) for _ in rows]
@@ -402,40 +345,11 @@ class Engine:
         return self.adaptive.traffic_class(req.params.temperature, req.params.domain)
 
     def _commit(self, req: _Request, emitted: list[int]) -> None:
-        """Append emitted tokens one by one, stopping at EOS, the token budget or a stop string."""
-        for token in emitted:
-            if token in self.eos_token_ids and not req.params.ignore_eos:
-                self._finish(req, "stop")
-                return
-            req.tokens.append(token)
-            req.output_ids.append(token)
-            if self._hit_stop_string(req):
-                self._finish(req, "stop")
-                return
-            if len(req.output_ids) >= req.params.max_new_tokens:
-                self._finish(req, "length")
-                return
+        req.commit(emitted)
+        if req.finished:
+            self._release(req)
 
-    def _hit_stop_string(self, req: _Request) -> bool:
-        if not req.params.stop:
-            return False
-        req.text += detokenize_incrementally(self.tokenizer, req.output_ids, req.detok)
-        return self._stop_index(req.text, req.params.stop) is not None
-
-    @staticmethod
-    def _stop_index(text: str, stops: Sequence[str]) -> int | None:
-        window = max(len(s) for s in stops) + 8  # a stop string can only end in the newest text
-        tail_start = max(0, len(text) - window)
-        hits = [i for s in stops if (i := text.find(s, tail_start)) >= 0]
-        return min(hits) if hits else None
-
-    def _finish(self, req: _Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.stats.latency_s = time.perf_counter() - req.arrival
-        req.text = self._decode_text(req.output_ids)
-        if req.params.stop:
-            cut = self._stop_index(req.text, req.params.stop)
-            req.text = req.text if cut is None else req.text[:cut]
+    def _release(self, req: _Request) -> None:
         self.verifier.release(req.request_id)
         if self.proposer is not None:
             self.proposer.release(req.request_id)
@@ -449,29 +363,15 @@ class Engine:
         for queue in (self._waiting,):
             for req in [r for r in queue if r.request_id in aborts]:
                 queue.remove(req)
-                req.finish_reason = "abort"
-                outputs.append(self._output(req))
+                req.finish("abort")
+                outputs.append(req.output())
         for req in self._running:
             if req.request_id in aborts:
-                self._finish(req, "abort")
-                outputs.append(self._output(req))
+                req.finish("abort")
+                self._release(req)
+                outputs.append(req.output())
         self._running = [r for r in self._running if r.finish_reason is None]
         return outputs
-
-    def _decode_text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _output(self, req: _Request, stream_text: bool = True) -> RequestOutput:
-        finished = req.finish_reason is not None
-        if stream_text and not finished and not req.params.stop:  # with stop strings _commit already advanced the text
-            req.text += detokenize_incrementally(self.tokenizer, req.output_ids, req.detok)
-        req.stats.output_tokens = len(req.output_ids)
-        new_ids = req.output_ids[req.sent_tokens :]
-        new_text = req.text[req.sent_text :]
-        req.sent_tokens, req.sent_text = len(req.output_ids), max(req.sent_text, len(req.text))
-        return RequestOutput(
-            req.request_id, list(req.output_ids), req.text, finished, req.finish_reason, req.stats, new_ids, new_text
-        )
 
     # ---- convenience -------------------------------------------------------------------------
 
@@ -523,13 +423,3 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
             f"draft {draft_name!r} and target {target_name!r} have different tokenizers "
             f"({len(draft_tok)} vs {len(target_tok)} tokens); speculative decoding needs a shared vocabulary"
         )
-
-
-def _eos_ids(tokenizer, model) -> set[int]:
-    ids = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids

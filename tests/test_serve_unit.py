@@ -121,7 +121,7 @@ class _Tok:
 
 
 def _req(**kw) -> SeparateRequest:
-    return SeparateRequest([1, 2], SamplingParams(**kw), _Tok(), eos_ids={99})
+    return SeparateRequest("r", [1, 2], SamplingParams(**kw), _Tok(), eos_ids={99})
 
 
 def test_separate_request_stopping_rules():
@@ -143,11 +143,11 @@ def test_separate_request_stopping_rules():
     assert (d["token_ids"], d["text"], d["finished"]) == ([0, 1], "ab", False)
     r.commit([2])
     assert r.delta()["token_ids"] == [2]
-    assert r.next_k(4, max_len=100) == 4
-    assert r.next_k(9, max_len=6) == 1  # 5 tokens held, room for 1 draft token
+    assert r.budget_k(4, max_len=100) == 4
+    assert r.budget_k(9, max_len=6) == 1  # 5 tokens held, room for 1 draft token
     r2 = _req(max_new_tokens=2)
     r2.commit([0])
-    assert r2.next_k(4, max_len=100) == 0  # one token left: a plain step emits it
+    assert r2.budget_k(4, max_len=100) == 0  # one token left: a plain step emits it
 
 
 def test_router_metrics_accept_zero_counts():

@@ -1,0 +1,138 @@
+"""One request: its sampling parameters, its authoritative token history, the stopping rules
+(EOS, token budget, stop strings, applied token by token), incremental detokenization and the
+outputs it reports. Shared by the in-process engine and the router's separate-topology loop, so
+both paths stop and detokenize identically.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from specdec_core.detokenizer import DetokenizerState, detokenize_incrementally
+from specdec_core.stats import RequestStats
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    num_speculative_tokens: int = 0  # K; 0 = plain decoding; the upper bound of K when adaptive_k
+    adaptive_k: bool = False  # re-choose K every step from the cost model and acceptance (engine needs one)
+    domain: str = "default"  # traffic-class key for acceptance statistics (e.g. the OpenAI `user`)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # every output token so far (EOS excluded)
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stats: RequestStats
+    new_token_ids: list[int]  # tokens added since this request's previous output
+    new_text: str
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config (either may list several)."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+def stop_index(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop string starts in ``text``; only the newest text can hold a new one."""
+    window = max(len(s) for s in stops) + 8
+    tail_start = max(0, len(text) - window)
+    hits = [i for s in stops if (i := text.find(s, tail_start)) >= 0]
+    return min(hits) if hits else None
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, eos_ids: set[int]):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.arrival = time.perf_counter()
+        self.tokens = list(prompt_ids)  # prompt + output: the authoritative history
+        self.output_ids: list[int] = []
+        self.text = ""  # decoded output; final (full decode, stop string cut) once finished
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+        self._detok = DetokenizerState()
+        self._sent_tokens = 0
+        self._sent_text = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def budget_k(self, k: int, max_len: int) -> int:
+        """A verify emits up to K+1 tokens: proposing past the token budget or the context is waste."""
+        remaining = self.params.max_new_tokens - len(self.output_ids)
+        room = max_len - len(self.tokens)
+        return max(0, min(k, remaining - 1, room))
+
+    def commit(self, emitted: list[int]) -> None:
+        """Append emitted tokens one by one, stopping at EOS, the token budget or a stop string."""
+        for token in emitted:
+            if token in self.eos_ids and not self.params.ignore_eos:
+                self.finish("stop")
+                return
+            self.tokens.append(token)
+            self.output_ids.append(token)
+            if self.params.stop:
+                self.text += detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
+                if stop_index(self.text, self.params.stop) is not None:
+                    self.finish("stop")
+                    return
+            if len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish("length")
+                return
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.stats.latency_s = time.perf_counter() - self.arrival
+        self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if self.params.stop:
+            cut = stop_index(self.text, self.params.stop)
+            self.text = self.text if cut is None else self.text[:cut]
+
+    def output(self, stream_text: bool = True) -> RequestOutput:
+        """What changed since the previous output. ``stream_text=False`` skips per-step
+        detokenization; the text is then only set once the request finishes."""
+        if stream_text and not self.finished and not self.params.stop:  # with stop strings commit advanced it
+            self.text += detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
+        self.stats.output_tokens = len(self.output_ids)
+        new_ids = self.output_ids[self._sent_tokens :]
+        new_text = self.text[self._sent_text :]
+        self._sent_tokens, self._sent_text = len(self.output_ids), max(self._sent_text, len(self.text))
+        return RequestOutput(
+            self.request_id, list(self.output_ids), self.text, self.finished, self.finish_reason, self.stats,
+            new_ids, new_text,
+        )
