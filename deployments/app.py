@@ -5,7 +5,8 @@
     separate        Draft + Target (session affinity)      deployments "Draft", "Target"
     ingress         Router (FastAPI, OpenAI API)           deployment "Router"
 
-A pool whose ``num_replicas`` is 0 (or that needs a draft when ``draft`` is null) is left out; the
+Engine pools (plain, co-located) autoscale with ``autoscaling.scaling:PoolAutoscalingPolicy`` when
+their ``autoscaling.enabled`` is set (config.py: AutoscalingOptions). A pool whose ``num_replicas`` is 0 (or that needs a draft when ``draft`` is null) is left out; the
 router routes around it.
 """
 
@@ -26,9 +27,12 @@ from deployments.target import Target
 
 
 def _options(opts: DeploymentOptions, name: str, **extra: Any) -> dict:
+    scaling = getattr(opts, "autoscaling", None)
+    replicas = ({"autoscaling_config": scaling.serve_config()} if scaling is not None and scaling.enabled
+                else {"num_replicas": opts.num_replicas})
     return dict(
         name=name,
-        num_replicas=opts.num_replicas,
+        **replicas,
         max_ongoing_requests=opts.max_ongoing_requests,
         ray_actor_options={"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
         **extra,

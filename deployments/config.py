@@ -29,8 +29,65 @@ class DeploymentOptions(BaseModel):
     )
 
 
+class AutoscalingOptions(BaseModel):
+    """Replica autoscaling of one engine pool with ``autoscaling.scaling:PoolAutoscalingPolicy``
+    (Serve's own up/down delays are set to 0; the policy applies these)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Autoscale this pool; off: num_replicas is fixed.")
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (>= 1 keeps the pool routable).")
+    max_replicas: int = Field(1, ge=1, description="Most replicas.")
+    target_ongoing_requests: float = Field(8.0, gt=0, description="Ongoing requests (or `metric`) per replica "
+                                                                 "the policy aims at.")
+    upscale_delay_s: float = Field(5.0, ge=0, description="A wish to scale up must hold this long.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="A wish to scale down must hold this long.")
+    metric: str | None = Field("active_sequences", description="Replica-reported load "
+                               "(EngineReplica.record_autoscaling_stats: running + waiting sequences); "
+                               "null: Serve's ongoing requests.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingOptions:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+    def serve_config(self) -> dict:
+        """Serve's ``autoscaling_config`` with our policy."""
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": 0,
+            "downscale_delay_s": 0,
+            "policy": {
+                "policy_function": "autoscaling.scaling:PoolAutoscalingPolicy",
+                "policy_kwargs": {"target_ongoing_per_replica": self.target_ongoing_requests,
+                                  "upscale_delay_s": self.upscale_delay_s,
+                                  "downscale_delay_s": self.downscale_delay_s, "metric": self.metric},
+            },
+        }
+
+
+class PoolOptions(DeploymentOptions):
+    """An engine pool (plain or co-located): deployment options plus autoscaling."""
+
+    autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions,
+                                            description="Replica autoscaling (off by default).")
+
+    @property
+    def routing_replicas(self) -> int:
+        """Replicas the router assumes when predicting the batch a request joins (autoscaled: the
+        minimum, so the prediction errs towards larger batches)."""
+        return max(self.autoscaling.min_replicas, 1) if self.autoscaling.enabled else self.num_replicas
+
+
 def _opts(**kw) -> DeploymentOptions:
     return DeploymentOptions(**kw)
+
+
+def _pool(**kw) -> PoolOptions:
+    return PoolOptions(**kw)
 
 
 class AppConfig(BaseModel):
@@ -50,13 +107,25 @@ class AppConfig(BaseModel):
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
 
     # ---- speculation ----------------------------------------------------------------------------
-    default_k: int = Field(4, ge=1, le=16, description="K used when a speculative request does not give one.")
-    k_max: int = Field(8, ge=1, le=16, description="Largest K a request may ask for.")
-    auto_max_running: int = Field(4, ge=0, description="mode=auto speculates (co-located) only while that pool "
-                                                       "runs fewer requests than this (placeholder rule, see "
-                                                       "router.choose_route).")
-    auto_max_temperature: float = Field(0.7, ge=0, description="mode=auto speculates only at or below this "
-                                                               "temperature (placeholder rule).")
+    default_k: int = Field(4, ge=1, le=16, description="K of an explicit speculative request that gives none "
+                                                  "(mode=auto: the router's cost model chooses K).")
+    k_max: int = Field(8, ge=1, le=16, description="Largest K a request may ask for and the router may choose.")
+    route_margin: float = Field(0.05, ge=0, description="mode=auto speculates only where the cost model predicts a "
+                                                        "speedup above 1 + route_margin (autoscaling/routing.py).")
+    acceptance_prior: float = Field(0.6, gt=0, lt=1, description="Prior acceptance rate of the draft (e.g. from its "
+                                                                 "model card) until a traffic class has evidence.")
+    acceptance_prior_weight: float = Field(20.0, gt=0, description="Weight of that prior, in judged draft tokens.")
+    acceptance_half_life_tokens: float = Field(2000.0, gt=0, description="Acceptance evidence halves every this "
+                                                                         "many judged tokens of a traffic class.")
+    separate_hop_overhead_s: float = Field(0.014, ge=0, description="Per-step overhead of the separate topology's "
+                                           "two Ray hops (13-15 ms measured on the 2-core CPU machine with "
+                                           "`python -m deployments.measure_hops`).")
+    calibration_file: str | None = Field(None, description="Calibration JSON (`specdec-calibrate`); a co-located "
+                                         "replica uses its record for this target/draft/device instead of "
+                                         "calibrating at start-up.")
+    calibrate_on_start: bool = Field(True, description="Co-located replicas without a matching calibration record "
+                                     "time their step costs at start-up (a few seconds on CPU); off: no adaptive "
+                                     "K in the replica and the router keeps its prior cost table.")
     verify_max_batch_size: int = Field(32, ge=1, description="Target: most verify calls fused into one forward.")
     verify_batch_wait_s: float = Field(0.0, ge=0, description="Target/Draft: how long @serve.batch waits to fill a "
                                                               "batch after its first call. 0: no wait; calls that "
@@ -75,9 +144,9 @@ class AppConfig(BaseModel):
         default_factory=lambda: _opts(num_cpus=0.1, max_ongoing_requests=1024),
         description="The HTTP ingress (tokenizes, routes, runs the separate topology's loop).",
     )
-    plain: DeploymentOptions = Field(default_factory=lambda: _opts(num_cpus=0.3),
+    plain: PoolOptions = Field(default_factory=lambda: _pool(num_cpus=0.3),
                                      description="Plain pool: EngineReplica without a draft.")
-    colocated: DeploymentOptions = Field(default_factory=lambda: _opts(num_cpus=0.3),
+    colocated: PoolOptions = Field(default_factory=lambda: _pool(num_cpus=0.3),
                                          description="Co-located speculative pool: EngineReplica with draft + target.")
     draft_deployment: DeploymentOptions = Field(default_factory=lambda: _opts(num_cpus=0.2),
                                                 description="Separate topology: the Draft deployment.")
@@ -92,18 +161,19 @@ class AppConfig(BaseModel):
             raise ValueError(f"default_k ({self.default_k}) > k_max ({self.k_max})")
         if (self.draft_deployment.num_replicas > 0) != (self.target_deployment.num_replicas > 0):
             raise ValueError("the separate topology needs both draft_deployment and target_deployment replicas")
-        if not (self.plain.num_replicas or self.colocated.num_replicas or self.target_deployment.num_replicas):
+        if not (self.has_plain or self.colocated.num_replicas or self.colocated.autoscaling.enabled
+                or self.target_deployment.num_replicas):
             raise ValueError("no pool has replicas")
         return self
 
     # ---- derived ----------------------------------------------------------------------------------
     @property
     def has_plain(self) -> bool:
-        return self.plain.num_replicas > 0
+        return self.plain.num_replicas > 0 or self.plain.autoscaling.enabled
 
     @property
     def has_colocated(self) -> bool:
-        return self.draft is not None and self.colocated.num_replicas > 0
+        return self.draft is not None and (self.colocated.num_replicas > 0 or self.colocated.autoscaling.enabled)
 
     @property
     def has_separate(self) -> bool:
@@ -111,8 +181,10 @@ class AppConfig(BaseModel):
 
     def resolved(self) -> AppConfig:
         """A copy with local model paths made absolute, so replicas find them whatever their cwd."""
-        return self.model_copy(update={"target": resolve_model_path(self.target),
-                                       "draft": resolve_model_path(self.draft) if self.draft else None})
+        return self.model_copy(update={
+            "target": resolve_model_path(self.target),
+            "draft": resolve_model_path(self.draft) if self.draft else None,
+            "calibration_file": resolve_model_path(self.calibration_file) if self.calibration_file else None})
 
 
 def resolve_model_path(path: str) -> str:

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 import torch
 from ray import serve
 
+from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, device_kind, load_calibration
 from deployments.config import AppConfig
 from specdec_core import AsyncEngine, Engine, SamplingParams
+from specdec_core.acceptance import AcceptanceTracker
 
 logger = logging.getLogger("ray.serve")
 
@@ -32,6 +34,7 @@ def sampling_params(req: dict) -> SamplingParams:
         stop=tuple(req.get("stop") or ()),
         ignore_eos=bool(req.get("ignore_eos", False)),
         num_speculative_tokens=int(req.get("k", 0)),
+        adaptive_k=bool(req.get("adaptive_k", False)),
         domain=req.get("domain") or "default",
     )
 
@@ -52,15 +55,53 @@ class EngineReplica:
             max_model_len=cfg.max_model_len,
             trust_remote_code=cfg.trust_remote_code,
         )
+        self._costs, self._costs_source = None, None
+        if speculative:
+            self._calibrate(engine, cfg)
         self.engine = AsyncEngine(engine)
         self._served = 0
         self._aborted = 0
         logger.info("EngineReplica(%s) ready: target=%s draft=%s slots=%d max_len=%d", pool, cfg.target,
                     cfg.draft if speculative else None, engine.target.num_slots, engine.max_model_len)
 
+    def _calibrate(self, engine: Engine, cfg: AppConfig) -> None:
+        """Step costs from the calibration file (matching pair and device) or measured now, then
+        adaptive K: requests with ``adaptive_k`` re-choose K <= their K every step from them."""
+        device = device_kind(engine.target.device)
+        t0 = time.perf_counter()
+        if cfg.calibration_file:
+            self._costs = load_calibration(cfg.calibration_file, cfg.target, cfg.draft, device)
+            self._costs_source = f"file:{cfg.calibration_file}" if self._costs else None
+        if self._costs is None and cfg.calibrate_on_start:
+            batches = tuple(b for b in DEFAULT_BATCHES if b <= cfg.max_batch_size)
+            qs = tuple(q for q in DEFAULT_QS if q <= cfg.k_max + 1)
+            self._costs = engine.calibrate(batches=batches, qs=qs)
+            self._costs_source = f"calibrated:{device}"
+        if self._costs is None:
+            logger.warning("EngineReplica(%s): no step costs; adaptive K off", self.pool)
+            return
+        tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight,
+                                    cfg.acceptance_half_life_tokens)
+        engine.enable_adaptive(self._costs, tracker)
+        logger.info("EngineReplica(%s): step costs %s in %.1f s (t_T(1,1)=%.2f ms, t_D(1)=%.2f ms)", self.pool,
+                    self._costs_source, time.perf_counter() - t0, self._costs.target_time(1, 1) * 1e3,
+                    self._costs.draft_time(1) * 1e3)
+
+    async def costs(self) -> dict | None:
+        """The replica's step costs (``StepCosts.to_dict()``) and where they came from; None without."""
+        if self._costs is None:
+            return None
+        return {"costs": self._costs.to_dict(), "source": self._costs_source}
+
+    def record_autoscaling_stats(self) -> dict:
+        """Serve calls this on each replica; `active_sequences` is the autoscaling policy's `metric`."""
+        e = self.engine.engine
+        return {"active_sequences": float(e.num_running + e.num_waiting)}
+
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream one request (call with ``handle.options(stream=True)``). ``req``: prompt_ids,
-        max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, domain, request_id.
+        max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, adaptive_k, domain,
+        request_id. With ``adaptive_k`` (mode=auto) the engine re-chooses K <= k every step.
 
         Yields {"token_ids", "text", "finished", "finish_reason", "stats"} deltas; stats (a
         ``RequestStats.as_dict()``) only on the last. Leaving early (caller cancels, client gone)
@@ -118,6 +159,8 @@ class EngineReplica:
             "draft_free_slots": e.proposer.runner.num_free_slots if hasattr(e.proposer, "runner") else None,
             "streams": len(self.engine._streams),
             "served": self._served,
+            "adaptive": e.adaptive is not None,
+            "costs_source": self._costs_source,
             "aborted": self._aborted,
         }
 

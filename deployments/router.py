@@ -1,7 +1,15 @@
 """The HTTP ingress: OpenAI-compatible API, routing, and the separate topology's step loop.
 
 Per request: validate -> tokenize (chat: the tokenizer's chat template, or the fallback below) ->
-``choose_route`` -> run on one of three paths -> detokenize / stream.
+``choose_route`` (``autoscaling.routing.route`` over live pool loads, the calibrated cost model and
+the acceptance tracker, glued by ``deployments/regimes.py``) -> run on one of three paths ->
+detokenize / stream -> the finished request's acceptance stats feed the tracker.
+``GET /v1/regimes`` shows the live regime map.
+
+mode=auto speculation in the co-located pool runs with adaptive K (the replica re-chooses K <= the
+routed K every step, down to 0 when acceptance collapses); explicit K stays fixed. Step costs: the
+co-located replicas calibrate at start-up (or load ``calibration_file``); the router fetches them on
+the first auto request and routes on a prior table (DESIGN.md section 4) until then.
 
 - plain pool: ``EngineReplica`` without a draft (``handle.options(stream=True).generate``).
 - co-located pool: ``EngineReplica`` with draft + target in one process, same call.
@@ -29,7 +37,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,106 +45,29 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from autoscaling.routing import PoolLoad, RequestFeatures, RoutingDecision, RoutingError, RoutingThresholds
 from deployments import schemas
 from deployments.config import AppConfig
 from deployments.metrics import RouterMetrics
+from deployments.regimes import POOLS, Route, RouteState, objective_of
 from deployments.session_router import pinned_gather
 from specdec_core import RequestStats, SamplingParams
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.costmodel import StepCosts
 from specdec_core.request import RequestState, eos_token_ids
 
 logger = logging.getLogger("ray.serve")
 
-POOLS = ("plain", "colocated", "separate")
-
 # ---- routing decision ---------------------------------------------------------------------------
-# Field names follow autoscaling/routing.py so its `route()` can replace choose_route's body.
 
 
-@dataclass(frozen=True)
-class RequestFeatures:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    prompt_tokens: int = 0
-    mode: str = "auto"  # "auto" | "speculative" | "plain"
-    k: int | None = None  # requested K; None: router's choice
-    topology: str | None = None  # requested "colocated" | "separate" | None
-
-
-@dataclass(frozen=True)
-class PoolLoad:
-    active: int = 0  # requests this router has running in the pool
-    queued: int = 0
-    replicas: int = 1
-    capacity: int = 32  # sequences one replica decodes at once (KV slots)
-
-
-@dataclass(frozen=True)
-class RouteSettings:
-    default_k: int = 4
-    k_max: int = 8
-    auto_max_running: int = 4
-    auto_max_temperature: float = 0.7
-
-
-@dataclass(frozen=True)
-class RouteDecision:
-    pool: str  # "plain" | "colocated" | "separate"
-    topology: str | None  # None for plain decoding
-    k: int  # 0: plain decoding
-    regime: str = "unknown"
-    predicted_speedup: float | None = None
-    reason: str = ""
-
-
-class RouteError(ValueError):
-    """Inconsistent or unservable speculation fields: HTTP 400."""
-
-
-def choose_route(features: RequestFeatures, loads: Mapping[str, PoolLoad], settings: RouteSettings) -> RouteDecision:
-    """Where this request runs, with which K. ``loads`` holds only the pools that have replicas.
-
-    Explicit fields win: mode "plain" or K=0 -> plain decoding; mode "speculative", K>0 or a
-    topology -> speculation in that topology (default co-located), K from the request or
-    ``default_k``. mode "auto" (placeholder rule, to be replaced by autoscaling/routing.py's
-    cost-model policy): speculate co-located with ``default_k`` while the co-located pool runs
-    fewer than ``auto_max_running`` requests and temperature <= ``auto_max_temperature``; else plain.
-    Plain decoding prefers the plain pool and falls back to a speculative pool with K=0.
-    """
-    f, s = features, settings
-    if f.mode not in ("auto", "speculative", "plain"):
-        raise RouteError(f"speculation.mode must be 'auto', 'speculative' or 'plain', got {f.mode!r}")
-    if f.k is not None and not 0 <= f.k <= s.k_max:
-        raise RouteError(f"speculation.num_speculative_tokens must be in [0, {s.k_max}], got {f.k}")
-    if f.topology is not None and f.topology not in ("colocated", "separate"):
-        raise RouteError(f"speculation.topology must be 'colocated' or 'separate', got {f.topology!r}")
-    if f.mode == "plain" and (f.k or f.topology):
-        raise RouteError("speculation.mode 'plain' conflicts with num_speculative_tokens > 0 or a topology")
-    if f.k == 0 and (f.mode == "speculative" or f.topology):
-        raise RouteError("num_speculative_tokens 0 means plain decoding; it conflicts with speculation")
-
-    def plain(regime: str, reason: str) -> RouteDecision:
-        for pool in POOLS:  # plain pool first; a spec pool decodes plain with K=0
-            if pool in loads:
-                return RouteDecision(pool, None, 0, regime, 1.0, reason)
-        raise RouteError("no pool is deployed")
-
-    if f.mode == "plain" or f.k == 0:
-        return plain("unknown", "plain requested")
-    if f.mode == "speculative" or f.k or f.topology:
-        wanted = [f.topology] if f.topology else ["colocated", "separate"]
-        for t in wanted:
-            if t in loads:
-                return RouteDecision(t, t, f.k or s.default_k, "unknown", None, "speculation requested")
-        raise RouteError(f"no speculative pool deployed for topology {f.topology or 'any'}")
-    # mode == "auto"
-    if "colocated" not in loads:
-        return plain("unknown", "no co-located pool")
-    if f.temperature > s.auto_max_temperature:
-        return plain("high_entropy", f"temperature {f.temperature} > {s.auto_max_temperature}")
-    if loads["colocated"].active >= s.auto_max_running:
-        return plain("large_batch", f"co-located pool runs {loads['colocated'].active} >= {s.auto_max_running}")
-    return RouteDecision("colocated", "colocated", s.default_k, "unknown", None, "auto: low load, low temperature")
+def choose_route(state: RouteState, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> Route:
+    """Where this request runs, with which K, and why: ``autoscaling.routing.route`` over the live
+    loads of the deployed pools (``loads`` holds only those), the cost models from the calibrated
+    step costs and the tracker's acceptance estimate for the request's traffic class
+    (``RouteState`` builds the context). Explicit fields win; mode "auto" speculates where the
+    cost model predicts a speedup at the batch the request joins. Raises ``RoutingError`` (400)."""
+    return state.decide(features, loads)
 
 
 # ---- API errors -----------------------------------------------------------------------------------
@@ -227,11 +158,17 @@ class _Plan:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    decision: RouteDecision
+    decision: RoutingDecision
     model: str
     chat: bool
     return_token_ids: bool
     include_usage: bool
+    pool: str = "plain"  # the deployed pool that runs it (decision.pool, or a spec pool for plain decoding)
+    batch: int = 1  # per-replica batch it joined
+    adaptive: bool = False  # auto-mode speculation: the replica re-chooses K <= decision.k per step
+    traffic_class: TrafficClass | None = None
+    requested_mode: str = "auto"
+    realised_speedup: float | None = field(default=None)
 
 
 # Helpers stay above the ingress class: @serve.ingress pickles the FastAPI app (and the globals its
@@ -274,7 +211,7 @@ class Router:
         if colocated is not None:
             self._pools["colocated"] = colocated
         self._draft, self._target = draft, target
-        self._replicas = {"plain": self.cfg.plain.num_replicas, "colocated": self.cfg.colocated.num_replicas,
+        self._replicas = {"plain": self.cfg.plain.routing_replicas, "colocated": self.cfg.colocated.routing_replicas,
                           "separate": self.cfg.target_deployment.num_replicas}
         self.tokenizer = load_tokenizer(self.cfg.target, self.cfg.trust_remote_code)
         model_cfg = AutoConfig.from_pretrained(self.cfg.target, trust_remote_code=self.cfg.trust_remote_code)
@@ -286,8 +223,12 @@ class Router:
         except Exception:  # noqa: BLE001 - checkpoints without generation_config.json
             gen_cfg = None
         self.eos_ids = eos_token_ids(self.tokenizer, gen_cfg)
-        self.settings = RouteSettings(self.cfg.default_k, self.cfg.k_max, self.cfg.auto_max_running,
-                                      self.cfg.auto_max_temperature)
+        tracker = AcceptanceTracker(self.cfg.acceptance_prior, self.cfg.acceptance_prior_weight,
+                                    self.cfg.acceptance_half_life_tokens)
+        self.route_state = RouteState(self.cfg.draft, tracker, self.cfg.k_max, self.cfg.default_k,
+                                      self.max_model_len, self.cfg.separate_hop_overhead_s,
+                                      RoutingThresholds(margin=self.cfg.route_margin))
+        self._costs_retry_at = 0.0
         self._inflight = 0
         self._active = {p: 0 for p in POOLS}
         self._separate_aborted = 0
@@ -308,6 +249,12 @@ class Router:
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": self._created,
                                             "owned_by": "specdec-serve", "max_model_len": self.max_model_len}]}
+
+    @app.get("/v1/regimes")
+    async def regimes(self) -> dict:
+        """The live regime map (README: "GET /v1/regimes")."""
+        await self._ensure_costs()
+        return self.route_state.regimes(self._loads())
 
     @app.get("/v1/stats")
     async def http_stats(self) -> dict:
@@ -426,22 +373,49 @@ class Router:
             raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
                               f"of {limit} tokens", "max_tokens", "context_length_exceeded")
         spec = body.speculation or schemas.SpeculationOptions()
-        features = RequestFeatures(body.temperature, body.top_p, max_tokens, len(ids), spec.mode,
-                                   spec.num_speculative_tokens, spec.topology)
-        loads = {p: PoolLoad(self._active[p], 0, self._replicas[p], self.cfg.max_batch_size)
-                 for p in POOLS if p in self._pools or (p == "separate" and self._target is not None)}
+        cls = self.route_state.traffic_class(body.temperature, body.user)
+        features = self.route_state.features(
+            temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens, prompt_tokens=len(ids),
+            mode=spec.mode, k=spec.num_speculative_tokens, topology=spec.topology,
+            objective=objective_of(spec.objective, body.service_tier), cls=cls)
         try:
-            decision = choose_route(features, loads, self.settings)
-        except RouteError as exc:
+            route = choose_route(self.route_state, features, self._loads())
+        except RoutingError as exc:
             raise bad_request(str(exc), "speculation") from None
+        decision = route.decision
         params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                 top_k=body.top_k, seed=body.seed, stop=tuple(stops), ignore_eos=body.ignore_eos,
-                                num_speculative_tokens=decision.k, domain=body.user or "default")
+                                num_speculative_tokens=decision.k, adaptive_k=route.adaptive,
+                                domain=body.user or "default")
         prefix = "chatcmpl" if chat else "cmpl"
         return _Plan(schemas.new_id(prefix), ids, params, decision, self.cfg.model_name, chat,
-                     body.return_token_ids, bool(body.stream_options and body.stream_options.include_usage))
+                     body.return_token_ids, bool(body.stream_options and body.stream_options.include_usage),
+                     pool=route.pool, batch=route.batch, adaptive=route.adaptive, traffic_class=cls,
+                     requested_mode=spec.mode)
+
+    def _loads(self) -> dict[str, PoolLoad]:
+        """Live loads of the deployed pools: the requests this router runs in each."""
+        return {p: PoolLoad(self._active[p], 0, self._replicas[p], self.cfg.max_batch_size)
+                for p in POOLS if p in self._pools or (p == "separate" and self._target is not None)}
+
+    async def _ensure_costs(self) -> None:
+        """Fetch the co-located replicas' calibrated step costs once (until then: the prior table);
+        a failed fetch is retried at most every 10 s."""
+        if self.route_state.calibrated or "colocated" not in self._pools or time.monotonic() < self._costs_retry_at:
+            return
+        self._costs_retry_at = time.monotonic() + 10.0
+        try:
+            got = await asyncio.wait_for(self._pools["colocated"].costs.remote(), 10.0)
+        except Exception:
+            logger.warning("step costs not available yet; routing on the prior cost table", exc_info=True)
+            return
+        if got:
+            self.route_state.set_costs(StepCosts.from_dict(got["costs"]), got["source"])
+            logger.info("routing on step costs %s", got["source"])
 
     async def _serve(self, body, ids, max_tokens, default_max, chat: bool):
+        if body.speculation is None or body.speculation.mode == "auto":
+            await self._ensure_costs()
         try:
             plan = self._plan(body, ids, max_tokens, default_max, chat)
             if self._inflight >= self.cfg.max_inflight_requests:
@@ -531,35 +505,57 @@ class Router:
             "accepted_tokens": stats["accepted_tokens"],
             "acceptance_rate": stats["acceptance_rate"],
             "mean_acceptance_length": stats["mean_acceptance_length"],
-            "pool": d.pool,
+            "verify_steps": stats["verify_steps"],
+            "plain_steps": stats["plain_steps"],  # decode steps without draft tokens (adaptive K = 0)
+            "pool": plan.pool,
+            "adaptive_k": plan.adaptive,
             "regime": d.regime,
             "predicted_speedup": d.predicted_speedup,
+            "realised_speedup": plan.realised_speedup,
+            "batch": plan.batch,
             "route_reason": d.reason,
+            "costs_source": self.route_state.costs_source,
         }
 
     async def _execute(self, plan: _Plan) -> AsyncIterator[dict]:
-        """Deltas of one request on the chosen path; the pool's load counter covers its lifetime."""
-        pool = plan.decision.pool
+        """Deltas of one request on the chosen path; the pool's load counter covers its lifetime.
+        At the end: the acceptance tracker learns from its stats, the metrics record it."""
+        pool, d = plan.pool, plan.decision
         self._active[pool] += 1
+        self.metrics.set_running(pool, self._active[pool])
+        self.metrics.routed(pool, d.k, d.regime, plan.requested_mode, d.predicted_speedup)
         t0, last = time.perf_counter(), None
+        t_first, n_first, n_out = None, 0, 0
         try:
             if pool == "separate":
                 gen = self._run_separate(plan)
             else:
                 gen = self._run_engine(self._pools[pool], plan)
             try:
-                async for d in gen:
-                    last = d
-                    yield d
+                async for delta in gen:
+                    last = delta
+                    n_out += len(delta["token_ids"])
+                    if t_first is None and n_out:
+                        t_first, n_first = time.perf_counter(), n_out
+                    if delta["finished"] and t_first is not None and n_out > n_first:
+                        per_token = (time.perf_counter() - t_first) / (n_out - n_first)
+                        plan.realised_speedup = self.route_state.realised_speedup(plan.batch, per_token)
+                    yield delta
             finally:
                 await gen.aclose()
         finally:
             self._active[pool] -= 1
             finished = last is not None and last["finished"]
             try:
-                self.metrics.finished(pool, plan.decision.k, plan.decision.topology,
-                                      last["finish_reason"] if finished else "abort",
-                                      last["stats"] if finished else {}, time.perf_counter() - t0)
+                self.metrics.set_running(pool, self._active[pool])
+                stats = last["stats"] if finished and last["stats"] else {}
+                if stats.get("proposed_tokens") and plan.traffic_class is not None:
+                    self.route_state.observe(plan.traffic_class, stats)
+                    tr = self.route_state.tracker
+                    self.metrics.acceptance(plan.traffic_class, tr.estimate(plan.traffic_class),
+                                            tr.position_rates(plan.traffic_class))
+                self.metrics.finished(pool, d.k, d.topology, last["finish_reason"] if finished else "abort",
+                                      stats, time.perf_counter() - t0, d.regime, plan.realised_speedup)
             except Exception:
                 logger.exception("metrics update failed")
 
@@ -568,7 +564,7 @@ class Router:
         req = {"request_id": plan.request_id, "prompt_ids": plan.prompt_ids, "max_tokens": p.max_new_tokens,
                "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed,
                "stop": list(p.stop), "ignore_eos": p.ignore_eos, "k": p.num_speculative_tokens,
-               "domain": p.domain}
+               "adaptive_k": p.adaptive_k, "domain": p.domain}
         responses = handle.options(stream=True).generate.remote(req)
         finished = False
         try:

@@ -3,7 +3,7 @@ extension, and builders for the response / stream-chunk bodies.
 
 Supported: n=1, max_tokens, temperature, top_p, seed, stop, stream (+ stream_options.include_usage),
 user. Extensions (vLLM-style): top_k, ignore_eos, return_token_ids, and
-``speculation: {mode, num_speculative_tokens, topology}``. Unknown fields are ignored, as the
+``speculation: {mode, num_speculative_tokens, topology, objective}``. Unknown fields are ignored, as the
 OpenAI API does for fields it does not know; fields we know but do not support (n > 1, best_of > 1,
 echo, logprobs) are rejected with 400 by the router.
 """
@@ -29,6 +29,10 @@ class SpeculationOptions(BaseModel):
     topology: Literal["colocated", "separate"] | None = Field(
         None, description="Where to speculate: draft and target in one replica, or in two deployments."
     )
+    objective: Literal["latency", "throughput"] | None = Field(
+        None, description="mode=auto: latency (default) speculates where the cost model says it is faster; "
+        "throughput (bulk traffic) decodes plain. Default: throughput when service_tier is flex/batch/scale."
+    )
 
 
 class StreamOptions(BaseModel):
@@ -47,7 +51,8 @@ class _GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    user: str | None = None
+    user: str | None = None  # also the traffic-class domain of the acceptance statistics
+    service_tier: str | None = None  # "flex" / "batch" / "scale": throughput objective in mode=auto
     ignore_eos: bool = False
     return_token_ids: bool = False
     speculation: SpeculationOptions | None = None

@@ -30,8 +30,9 @@ Not thread-safe: one owner (the router or an engine loop) updates it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 TEMPERATURE_BUCKETS = ("greedy", "low", "mid", "high")  # 0, (0, 0.5], (0.5, 1.0], > 1.0
 
@@ -53,7 +54,7 @@ class TrafficClass:
     domain: str = "default"
 
     @classmethod
-    def of(cls, draft: str, temperature: float, domain: str = "default") -> "TrafficClass":
+    def of(cls, draft: str, temperature: float, domain: str = "default") -> TrafficClass:
         return cls(draft, temperature_bucket(temperature), domain)
 
     def key(self) -> str:
@@ -122,6 +123,33 @@ class AcceptanceTracker:
         stats = self._stats.setdefault(cls, _ClassStats())
         stats.decay(0.5 ** (len(decisions) / self.half_life_tokens))
         stats.add(decisions)
+
+    def observe_request(
+        self, cls: TrafficClass, judged_per_position: Sequence[int], accepted_per_position: Sequence[int],
+        steps: int = 1,
+    ) -> None:
+        """Record a finished request's aggregate counts at once (e.g. ``RequestStats``:
+        ``proposed_per_position`` counts judged positions there). Same decay as ``steps`` calls of
+        `observe` with the same totals, except that the request's own tokens are not decayed against each
+        other (negligible for requests much shorter than a half-life); ``steps`` is its verify steps."""
+        judged, accepted = list(judged_per_position), list(accepted_per_position)
+        if len(judged) != len(accepted) or any(not 0 <= a <= j for a, j in zip(accepted, judged)):
+            raise ValueError(f"need 0 <= accepted <= judged per position, got {accepted}, {judged}")
+        total = sum(judged)
+        if total == 0:
+            return
+        stats = self._stats.setdefault(cls, _ClassStats())
+        stats.decay(0.5 ** (total / self.half_life_tokens))
+        grow = len(judged) - len(stats.pos_judged)
+        if grow > 0:
+            stats.pos_accepted += [0.0] * grow
+            stats.pos_judged += [0.0] * grow
+        for i, (a, j) in enumerate(zip(accepted, judged)):
+            stats.pos_judged[i] += j
+            stats.pos_accepted[i] += a
+        stats.accepted += sum(accepted)
+        stats.judged += total
+        stats.steps += max(int(steps), 1)
 
     def prior(self, cls: TrafficClass) -> float:
         return self.draft_prior_means.get(cls.draft, self.prior_mean)

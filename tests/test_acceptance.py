@@ -102,3 +102,25 @@ def test_snapshot_is_json():
     assert row["draft"] == "draft-1l" and row["temperature_bucket"] == "greedy" and row["domain"] == "code"
     assert row["steps"] == 1 and len(row["per_position"]) == 3
     assert row["acceptance"] == pytest.approx(tr.estimate(CLS))
+
+
+def test_observe_request_matches_stepwise_counts():
+    """A finished request's aggregate per-position counts give the stepwise estimate (no decay)."""
+    from specdec_core.stats import RequestStats
+
+    steps = [(4, 4), (4, 1), (4, 0), (2, 2)]  # (K, accepted) per verify step
+    stepwise = AcceptanceTracker(prior_weight=5, half_life_tokens=1e12)
+    stats = RequestStats()
+    for k, n in steps:
+        stepwise.observe(CLS, k, n)
+        stats.record_verify(k, n)
+    d = stats.as_dict()
+    agg = AcceptanceTracker(prior_weight=5, half_life_tokens=1e12)
+    agg.observe_request(CLS, d["proposed_per_position"], d["accepted_per_position"], d["verify_steps"])
+    assert agg.estimate(CLS) == pytest.approx(stepwise.estimate(CLS))
+    assert agg.evidence(CLS) == pytest.approx(stepwise.evidence(CLS))
+    assert agg.position_rates(CLS) == pytest.approx(stepwise.position_rates(CLS))
+    agg.observe_request(CLS, [], [])  # a plain request judges nothing
+    assert agg.evidence(CLS) == pytest.approx(stepwise.evidence(CLS))
+    with pytest.raises(ValueError):
+        agg.observe_request(CLS, [1], [2])

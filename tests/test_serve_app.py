@@ -33,7 +33,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def app_args(models: dict) -> dict:
+# The regime tests need a cost model under which this 2-core machine is compute bound at a small
+# batch, and a draft the router believes in. Honest stand-ins, both through documented config keys:
+# - calibration_file: synthetic step costs for the tiny pair, t_T(b, q) = 10 ms + 4 ms * b * q and
+#   t_D = 3 ms (a forward that turns compute bound near 8 tokens, like DESIGN.md section 4's CPU
+#   table does near 64-128): the co-located replica loads them instead of calibrating (which would
+#   also add seconds to start-up), and the router fetches them from it.
+# - acceptance_prior 0.9: the prior of a fresh traffic class (the random tiny draft really agrees
+#   with the target far less; tests that need the prior use a fresh `user`, i.e. a fresh class).
+# With a = 0.9 speculation then pays at batch <= 6 (K=1: 1.06x at batch 6) and not from batch 7 on.
+ACCEPTANCE_PRIOR = 0.9
+
+
+def synthetic_costs():
+    from specdec_core.costmodel import StepCosts
+
+    batches, qs = (1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9)
+    return StepCosts(batches, qs, tuple(tuple(0.010 + 0.004 * b * q for q in qs) for b in batches),
+                     tuple(0.003 for _ in batches), source="synthetic-test")
+
+
+def app_args(models: dict, calibration_file: str | None = None) -> dict:
     small = {"num_cpus": 0.1}
     return {
         "target": models["target"],
@@ -41,6 +61,8 @@ def app_args(models: dict) -> dict:
         "model_name": "tiny",
         "max_model_len": MAX_LEN,
         "max_inflight_requests": MAX_INFLIGHT,
+        "calibration_file": calibration_file,
+        "acceptance_prior": ACCEPTANCE_PRIOR,
         "router": small,
         "plain": small,
         "colocated": small,
@@ -50,20 +72,25 @@ def app_args(models: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models):
+def server(tiny_models, tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.calibrate import record, save_calibration
 
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
+    save_calibration(calibration, record(synthetic_costs(), tiny_models["target"], tiny_models["draft"], "cpu"))
+    port, metrics_port = _free_port(), _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(tiny_models)), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP)}
+        serve.run(build_app(app_args(tiny_models, calibration)), name=APP, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP),
+               "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -259,6 +286,105 @@ def test_draft_failure_degrades_to_plain(server, client):
     assert out["speculation"]["proposed_tokens"] == 0  # the first propose failed: plain for the rest
     assert stats(server)["router"]["draft_failures"] == failures + 1
     wait_idle(server)
+
+
+# ---- regime-aware routing (mode auto), the regime map, metrics -----------------------------------------
+
+
+def test_auto_speculates_single_greedy_request(client):
+    out = complete(client, max_tokens=32, user="regime-single")  # no speculation field: mode auto
+    spec = out["speculation"]
+    assert (spec["pool"], spec["topology"], spec["mode"], spec["regime"]) == (
+        "colocated", "colocated", "speculative", "favorable"), spec
+    assert spec["adaptive_k"] and 1 <= spec["num_speculative_tokens"] <= 8
+    assert spec["predicted_speedup"] > 1.05 and spec["batch"] == 1
+    assert spec["costs_source"].startswith("file:")  # the replica's calibration reached the router
+    assert spec["realised_speedup"] is not None and spec["realised_speedup"] > 0
+    assert out["usage"]["completion_tokens"] == 32
+    # the same request, greedy: adaptive K changes nothing in the output
+    ref = complete(client, max_tokens=32, speculation=PLAIN)
+    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert ref["speculation"]["regime"] in ROUTING_REGIMES and ref["speculation"]["pool"] == "plain"
+    # throughput objective: plain, by the request field or a bulk service tier
+    for extra in ({"speculation": {"objective": "throughput"}}, {"service_tier": "flex"}):
+        bulk = complete(client, max_tokens=4, user="regime-single", **extra)["speculation"]
+        assert (bulk["pool"], bulk["num_speculative_tokens"]) == ("plain", 0), bulk
+        assert "throughput" in bulk["route_reason"]
+
+
+def test_auto_adaptive_k_drops_to_plain_inside_replica(client):
+    """Auto speculation runs with adaptive K in the co-located replica: the random tiny draft's
+    acceptance collapses, so the request soon decodes with K=0 there; an explicit K stays fixed."""
+    auto = complete(client, max_tokens=96, user="adaptive-drop")["speculation"]
+    assert auto["pool"] == "colocated" and auto["adaptive_k"], auto
+    fixed = complete(client, max_tokens=96, user="adaptive-fixed", speculation=COLOCATED)["speculation"]
+    assert not fixed["adaptive_k"] and fixed["num_speculative_tokens"] == 4
+    assert auto["acceptance_rate"] < 0.5  # the premise: this draft disagrees with the target
+    assert auto["plain_steps"] > fixed["plain_steps"] + 20, (auto, fixed)
+
+
+def test_auto_burst_goes_plain_in_large_batch_regime(server):
+    """Concurrent auto requests, each its own traffic class (fresh `user`: acceptance = the prior):
+    the first ones speculate; once the co-located pool's batch passes the synthetic costs' break-even
+    (7 at a = 0.9) the rest go to the plain pool, labelled large_batch."""
+    wait_idle(server)
+    n = MAX_INFLIGHT - 2
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            async def one(i):
+                r = await ac.post("/v1/completions", json={
+                    "model": "tiny", "prompt": f"Burst {i}: it is a truth", "max_tokens": 48, "temperature": 0,
+                    "ignore_eos": True, "user": f"burst-{i}"})
+                assert r.status_code == 200, r.text
+                return r.json()["speculation"]
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    specs = asyncio.run(burst())
+    spec_pool = [s for s in specs if s["pool"] == "colocated"]
+    plain = [s for s in specs if s["pool"] == "plain"]
+    assert spec_pool and all(s["regime"] == "favorable" and s["batch"] <= 6 for s in spec_pool), specs
+    assert plain and all(s["regime"] == "large_batch" and s["num_speculative_tokens"] == 0 for s in plain), specs
+    wait_idle(server)
+
+
+ROUTING_REGIMES = ("favorable", "high_entropy", "expensive_draft", "domain_mismatch", "large_batch",
+                   "orchestration_overhead", "long_context", "prefill_heavy", "unknown")
+
+
+def test_regimes_endpoint(client):
+    complete(client, user="regime-map")  # 24 tokens: enough decode steps to speculate
+    m = client.get("/v1/regimes").json()
+    assert set(m) >= {"draft", "costs", "k_max", "pools", "classes"}
+    assert m["costs"]["calibrated"] and m["costs"]["hop_overhead_s"]["separate"] == pytest.approx(0.014)
+    assert set(m["pools"]) == {"plain", "colocated", "separate"}
+    assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity"}
+    classes = {(c["temperature_bucket"], c["domain"]): c for c in m["classes"]}
+    assert ("greedy", "default") in classes and ("greedy", "regime-map") in classes
+    c = classes[("greedy", "regime-map")]
+    assert c["evidence"] > 0 and 0 <= c["acceptance"] <= 1 and c["per_position"]
+    assert c["cost_ratio_batch1"] == pytest.approx(0.003 / 0.014)
+    assert c["break_even_batch"] is None or c["break_even_batch"] >= 1
+    assert set(c["choice"]) == {"pool", "topology", "k", "regime", "predicted_speedup", "reason"}
+    assert c["choice"]["regime"] in ROUTING_REGIMES
+
+
+def test_metrics_on_prometheus_endpoint(server, client):
+    complete(client, user="regime-metrics")
+    want = ("ray_specdec_route_decisions_total", "ray_specdec_acceptance_rate", "ray_specdec_chosen_k",
+            "ray_specdec_predicted_speedup", "ray_specdec_realised_speedup", "ray_specdec_output_tokens_total",
+            "ray_specdec_pool_running", "ray_specdec_position_acceptance_rate")
+    deadline, text = time.time() + 30, ""
+    while time.time() < deadline:
+        try:
+            text = httpx.get(server["metrics_url"], timeout=5).text
+        except httpx.HTTPError:
+            text = ""
+        if all(w in text for w in want):
+            break
+        time.sleep(1)
+    missing = [w for w in want if w not in text]
+    assert not missing, missing
 
 
 # ---- errors, overload, disconnects ----------------------------------------------------------------

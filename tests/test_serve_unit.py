@@ -9,52 +9,90 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from autoscaling.routing import PoolLoad, RoutingError
 from deployments.config import AppConfig, resolve_model_path
-from deployments.router import (
-    PoolLoad,
-    RequestFeatures,
-    RouteError,
-    RouteSettings,
-    SeparateRequest,
-    choose_route,
-)
+from deployments.regimes import PRIOR_COSTS, RouteState, objective_of, with_hops
+from deployments.router import SeparateRequest, choose_route
 from deployments.session_router import SessionAffinityRouter, owner
 from specdec_core import SamplingParams
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.costmodel import StepCosts
 
 ALL = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
-S = RouteSettings(default_k=4, k_max=8, auto_max_running=4, auto_max_temperature=0.7)
 
 
-def route(loads=ALL, **features):
-    return choose_route(RequestFeatures(**features), loads, S)
+def _compute_bound_costs() -> StepCosts:
+    """Synthetic costs: 10 ms overhead + 4 ms per token in the forward (compute bound from ~b*q = 8)."""
+    batches, qs = (1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9)
+    return StepCosts(batches, qs, tuple(tuple(0.010 + 0.004 * b * q for q in qs) for b in batches),
+                     tuple(0.003 for _ in batches), source="synthetic")
 
 
-def test_choose_route_auto_rule():
-    d = route(temperature=0.0)
-    assert (d.pool, d.topology, d.k) == ("colocated", "colocated", 4)
-    d = route(temperature=1.0)
-    assert (d.pool, d.topology, d.k, d.regime) == ("plain", None, 0, "high_entropy")
-    busy = {**ALL, "colocated": PoolLoad(active=4)}
-    d = route(busy, temperature=0.0)
-    assert (d.pool, d.k, d.regime) == ("plain", 0, "large_batch")
-    d = route({"plain": PoolLoad()}, temperature=0.0)
-    assert (d.pool, d.k) == ("plain", 0)
+def _state(a=0.9, evidence=0, costs=None, **kw) -> RouteState:
+    tr = AcceptanceTracker(prior_mean=a)
+    st = RouteState("d", tr, k_max=8, default_k=4, context_limit=512, **kw)
+    if costs is not None:
+        st.set_costs(costs, "test")
+    if evidence:
+        cls = TrafficClass.of("d", 0.0)
+        tr.observe_request(cls, [evidence], [round(a * evidence)])
+    return st
 
 
-def test_choose_route_explicit():
+def route(loads=ALL, state=None, mode="auto", k=None, topology=None, temperature=0.0, objective="latency",
+          max_tokens=64, prompt_tokens=8, domain=None):
+    st = state or _state(costs=_compute_bound_costs())
+    cls = st.traffic_class(temperature, domain)
+    f = st.features(temperature=temperature, top_p=1.0, max_tokens=max_tokens, prompt_tokens=prompt_tokens,
+                    mode=mode, k=k, topology=topology, objective=objective, cls=cls)
+    return choose_route(st, f, loads)
+
+
+def test_glue_context_from_loads_tracker_costs():
+    st = _state(a=0.8, evidence=100, costs=_compute_bound_costs())
+    cls = st.traffic_class(0.0, None)
+    assert cls == TrafficClass("d", "greedy", "default")
+    f = st.features(temperature=0.0, top_p=1.0, max_tokens=64, prompt_tokens=8, mode="auto", k=None,
+                    topology=None, objective="latency", cls=cls)
+    ctx = st.context(f, {"plain": PoolLoad(), "colocated": PoolLoad(active=3)})
+    assert set(ctx.cost_models) == {"colocated"}  # only deployed spec pools are priced
+    assert ctx.acceptance == pytest.approx(st.tracker.estimate(cls)) and ctx.evidence == pytest.approx(100)
+    assert ctx.loads["colocated"].joined_batch() == 4 and ctx.k_max == 8 and ctx.context_limit == 512
+    assert ctx.cost_models["colocated"].costs.hop("separate") == pytest.approx(0.014)  # measured hops added
+    # explicit speculation without K takes default_k
+    assert st.features(temperature=0.0, top_p=1.0, max_tokens=8, prompt_tokens=1, mode="speculative", k=None,
+                       topology=None, objective="latency", cls=cls).k == 4
+
+
+def test_glue_routes_auto_by_load_and_regime():
+    r = route()
+    assert (r.pool, r.decision.regime, r.adaptive, r.batch) == ("colocated", "favorable", True, 1)
+    assert r.decision.k > 0 and r.decision.predicted_speedup > 1.05
+    busy = {**ALL, "colocated": PoolLoad(active=12), "separate": PoolLoad(active=12)}
+    r = route(busy)
+    assert (r.pool, r.decision.k, r.decision.regime) == ("plain", 0, "large_batch")
+    assert route(objective="throughput").pool == "plain"
+    assert objective_of(None, "flex") == "throughput" and objective_of(None, "default") == "latency"
+    assert objective_of("latency", "batch") == "latency"
+    low = _state(a=0.1, evidence=200, costs=_compute_bound_costs())
+    r = route(state=low)
+    assert (r.pool, r.decision.regime) == ("plain", "domain_mismatch")
+    r = route(state=low, temperature=1.0)  # a separate class: no evidence, prior only
+    assert r.pool == "plain"
+    assert route(max_tokens=4).decision.regime == "prefill_heavy"
+
+
+def test_glue_explicit_and_fallbacks():
     assert route(mode="plain").pool == "plain"
-    assert route(k=0).pool == "plain"
-    d = route(mode="speculative", temperature=1.5)
-    assert (d.pool, d.k) == ("colocated", 4)
-    d = route(mode="speculative", topology="separate", k=6)
-    assert (d.pool, d.topology, d.k) == ("separate", "separate", 6)
-    d = route(topology="separate")  # a topology alone asks for speculation
-    assert (d.pool, d.k) == ("separate", 4)
-    d = route({"separate": PoolLoad()}, mode="speculative")
-    assert d.pool == "separate"
-    # plain decoding without a plain pool runs in a speculative pool with K=0
-    d = route({"colocated": PoolLoad()}, mode="plain")
-    assert (d.pool, d.topology, d.k) == ("colocated", None, 0)
+    r = route(mode="speculative", temperature=1.5)
+    assert (r.pool, r.decision.k, r.adaptive) == ("colocated", 4, False)  # explicit K stays fixed
+    r = route(mode="speculative", topology="separate", k=6)
+    assert (r.pool, r.decision.topology, r.decision.k, r.adaptive) == ("separate", "separate", 6, False)
+    assert route(topology="separate").decision.k == 4
+    r = route({"colocated": PoolLoad()}, mode="plain")  # no plain pool: a spec pool decodes with K=0
+    assert (r.pool, r.decision.topology, r.decision.k) == ("colocated", None, 0)
+    with pytest.raises(RoutingError):
+        route({"plain": PoolLoad(), "colocated": PoolLoad()}, topology="separate")
 
 
 @pytest.mark.parametrize("features", [
@@ -62,13 +100,71 @@ def test_choose_route_explicit():
     {"mode": "plain", "topology": "separate"}, {"mode": "speculative", "k": 0}, {"topology": "colocated", "k": 0},
 ])
 def test_choose_route_rejects(features):
-    with pytest.raises(RouteError):
+    with pytest.raises(RoutingError):
         route(**features)
 
 
-def test_choose_route_missing_topology():
-    with pytest.raises(RouteError):
-        route({"plain": PoolLoad(), "colocated": PoolLoad()}, topology="separate")
+def test_glue_observe_and_regimes_map():
+    st = _state(a=0.6)
+    assert st.costs_source.startswith("prior") and not st.calibrated
+    cls = st.traffic_class(0.0, "code")
+    # a request: K=4, steps accepted 4, 1, 0 -> judged per position [3, 2, 1, 1], accepted [2, 1, 1, 1]
+    stats = {"proposed_per_position": [3, 2, 1, 1], "accepted_per_position": [2, 1, 1, 1], "verify_steps": 3}
+    st.observe(cls, stats)
+    assert st.tracker.evidence(cls) == pytest.approx(7)
+    assert st.tracker.estimate(cls) == pytest.approx((0.6 * 20 + 5) / 27)
+    st.observe(cls, {"proposed_per_position": [], "accepted_per_position": []})  # plain request: nothing
+    assert st.tracker.evidence(cls) == pytest.approx(7)
+    st.set_costs(_compute_bound_costs(), "calibrated:cpu")
+    m = st.regimes({"plain": PoolLoad(active=2), "colocated": PoolLoad(active=30)})
+    assert m["costs"]["calibrated"] and m["pools"]["colocated"]["active"] == 30
+    keys = [(c["temperature_bucket"], c["domain"]) for c in m["classes"]]
+    assert keys == [("greedy", "code"), ("greedy", "default")]
+    for c in m["classes"]:
+        assert {"acceptance", "evidence", "per_position", "cost_ratio_batch1", "break_even_batch",
+                "choice"} <= set(c)
+        assert c["cost_ratio_batch1"] == pytest.approx(0.003 / 0.014)
+        assert c["choice"]["pool"] in ("plain", "colocated") and c["choice"]["regime"]
+    assert m["classes"][1]["choice"]["pool"] == "colocated"  # batch 1: the load of the pool is ignored
+    assert st.realised_speedup(1, 0.007) == pytest.approx(2.0)
+
+
+def test_prior_costs_and_hops():
+    assert PRIOR_COSTS.target_time(32, 9) > 3 * PRIOR_COSTS.target_time(32, 1)
+    assert with_hops(PRIOR_COSTS, 0.02).hop("separate") == 0.02
+
+
+def test_calibration_file_roundtrip(tmp_path):
+    from deployments.calibrate import load_calibration, record, save_calibration
+
+    costs = _compute_bound_costs()
+    path = tmp_path / "cal.json"
+    save_calibration(path, record(costs, str(tmp_path / "t"), str(tmp_path / "d"), "cpu"))
+    save_calibration(path, record(PRIOR_COSTS, str(tmp_path / "t"), str(tmp_path / "other"), "cpu"))
+    assert load_calibration(path, str(tmp_path / "t"), str(tmp_path / "d"), "cpu") == costs
+    assert load_calibration(path, str(tmp_path / "t"), str(tmp_path / "other"), "cpu").batches == PRIOR_COSTS.batches
+    assert load_calibration(path, str(tmp_path / "t"), str(tmp_path / "d"), "cuda") is None
+    assert load_calibration(tmp_path / "missing.json", "t", "d", "cpu") is None
+
+
+def test_autoscaling_options():
+    from deployments.app import _options
+    from deployments.config import AppConfig
+
+    cfg = AppConfig(colocated={"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 3,
+                                               "target_ongoing_requests": 4}})
+    opts = _options(cfg.colocated, "ColocatedPool")
+    assert "num_replicas" not in opts
+    ac = opts["autoscaling_config"]
+    assert (ac["min_replicas"], ac["max_replicas"], ac["upscale_delay_s"], ac["downscale_delay_s"]) == (1, 3, 0, 0)
+    assert ac["policy"]["policy_function"] == "autoscaling.scaling:PoolAutoscalingPolicy"
+    assert ac["policy"]["policy_kwargs"]["target_ongoing_per_replica"] == 4
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**ac)  # Serve accepts it
+    assert _options(AppConfig().plain, "PlainPool")["num_replicas"] == 1
+    with pytest.raises(ValidationError):
+        AppConfig(plain={"autoscaling": {"enabled": True, "min_replicas": 3, "max_replicas": 2}})
 
 
 def test_owner_is_stable_and_moves_only_lost_sessions():
@@ -107,6 +203,8 @@ def test_app_config():
         AppConfig(no_such_option=1)
     with pytest.raises(ValidationError):
         AppConfig(default_k=9, k_max=8)
+    with pytest.raises(ValidationError):
+        AppConfig(auto_max_running=4)  # the placeholder rule's keys are gone
     with pytest.raises(ValidationError):
         AppConfig(draft_deployment={"num_replicas": 0})
     for name, field in AppConfig.model_fields.items():
@@ -157,3 +255,22 @@ def test_router_metrics_accept_zero_counts():
     m.finished("plain", 0, None, "length", {"output_tokens": 3, "proposed_tokens": 0, "accepted_tokens": 0,
                                             "verify_steps": 0}, 0.1)
     m.finished("colocated", 4, "colocated", "abort", {}, 0.1)
+    m.finished("colocated", 4, "colocated", "length", {"output_tokens": 8, "proposed_tokens": 8,
+                                                       "accepted_tokens": 0, "acceptance_rate": 0.0,
+                                                       "mean_acceptance_length": 1.0, "verify_steps": 4},
+               0.1, "favorable", 1.3)
+    m.routed("plain", 0, "large_batch", "auto", 1.0)
+    m.set_running("plain", 0)
+    m.acceptance(TrafficClass("d", "greedy", "default"), 0.5, [0.6, 0.4])
+
+
+def test_specdec_calibrate_cli(tiny_models, tmp_path):
+    """The console script's entry point writes a record the replicas can load (a small grid)."""
+    from deployments.calibrate import load_calibration, main
+
+    out = tmp_path / "cal.json"
+    main(["--target", tiny_models["target"], "--draft", tiny_models["draft"], "--out", str(out),
+          "--batches", "1,2", "--qs", "1,2", "--max-batch-size", "4"])
+    costs = load_calibration(out, tiny_models["target"], tiny_models["draft"], "cpu")
+    assert costs is not None and costs.batches == (1, 2) and costs.qs == (1, 2)
+    assert costs.target_time(1, 1) > 0 and costs.draft_time(1) > 0

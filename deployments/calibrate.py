@@ -1,0 +1,108 @@
+"""Calibration files: measured step costs of one target/draft pair on one device.
+
+    specdec-calibrate --target models/target --draft models/draft --out calibration.json
+
+times the pair through the engine's own step phases (``Engine.calibrate``: t_T(b, q) for
+b in --batches, q = K+1 in --qs, and t_D(b)) and writes a JSON record
+
+    {"target": abs path, "draft": abs path, "device": "cpu" | "cuda", "created": unix time,
+     "torch_threads": n, "costs": StepCosts.to_dict()}
+
+A file holds one record or ``{"calibrations": [record, ...]}`` (a new run replaces the record of
+the same pair and device). ``EngineReplica`` loads it through the config key ``calibration_file``
+when target, draft and device match, instead of calibrating at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from specdec_core.costmodel import StepCosts
+
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
+DEFAULT_QS = (1, 2, 3, 5, 9)
+
+
+def device_kind(device) -> str:
+    return str(getattr(device, "type", device) or "cpu").split(":")[0]
+
+
+def _key(target: str, draft: str | None, device: str) -> tuple:
+    from deployments.config import resolve_model_path
+
+    return (resolve_model_path(target), resolve_model_path(draft) if draft else None, device_kind(device))
+
+
+def record(costs: StepCosts, target: str, draft: str | None, device: str, **meta) -> dict:
+    t, d, dev = _key(target, draft, device)
+    return {"target": t, "draft": d, "device": dev, "created": time.time(), **meta, "costs": costs.to_dict()}
+
+
+def _records(path: str | os.PathLike) -> list[dict]:
+    data = json.loads(Path(path).read_text())
+    return data["calibrations"] if isinstance(data, dict) and "calibrations" in data else [data]
+
+
+def load_calibration(path: str | os.PathLike, target: str, draft: str | None, device) -> StepCosts | None:
+    """The costs recorded for this pair and device, or None (missing file, or no matching record)."""
+    if not Path(path).exists():
+        logger.warning("calibration file %s does not exist", path)
+        return None
+    want = _key(target, draft, device)
+    for rec in _records(path):
+        if _key(rec["target"], rec.get("draft"), rec.get("device", "cpu")) == want:
+            return StepCosts.from_dict(rec["costs"])
+    logger.warning("calibration file %s has no record for target=%s draft=%s device=%s", path, *want)
+    return None
+
+
+def save_calibration(path: str | os.PathLike, rec: dict) -> None:
+    """Write ``rec``, replacing a record of the same pair and device already in the file."""
+    keep = []
+    if Path(path).exists():
+        mine = _key(rec["target"], rec.get("draft"), rec["device"])
+        keep = [r for r in _records(path) if _key(r["target"], r.get("draft"), r.get("device", "cpu")) != mine]
+    out = rec if not keep else {"calibrations": keep + [rec]}
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Measure step costs of a target/draft pair on this machine.")
+    ap.add_argument("--target", default="models/target")
+    ap.add_argument("--draft", default="models/draft")
+    ap.add_argument("--out", default="calibration.json")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--max-batch-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (match the replicas' torch_threads)")
+    ap.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
+    ap.add_argument("--qs", default=",".join(map(str, DEFAULT_QS)), help="verify widths K+1")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from specdec_core import Engine
+
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+                                    max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+    t0 = time.perf_counter()
+    costs = engine.calibrate(batches=tuple(int(b) for b in args.batches.split(",")),
+                             qs=tuple(int(q) for q in args.qs.split(",")))
+    rec = record(costs, args.target, args.draft, device_kind(engine.target.device), torch_threads=args.threads,
+                 calibrate_s=round(time.perf_counter() - t0, 2))
+    save_calibration(args.out, rec)
+    print(f"wrote {args.out} ({rec['calibrate_s']} s): t_T(1,1)={costs.target_time(1, 1) * 1e3:.2f} ms, "
+          f"t_D(1)={costs.draft_time(1) * 1e3:.2f} ms, batches {list(costs.batches)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Router-side glue between the live service and the pure routing policy (no Ray here).
+
+``RouteState`` holds what the router knows: the step costs (calibrated by a co-located replica,
+or a prior table until they arrive), the `AcceptanceTracker` of finished speculative requests,
+and the routing settings. It builds `autoscaling.routing.RoutingContext` from a request's
+features and the pools' live loads, calls `route()`, and answers `/v1/regimes`. Policy logic
+stays in ``autoscaling/``; cost and acceptance logic in ``specdec_core/``.
+
+Traffic class of a request: (draft name, temperature bucket, domain), domain = the OpenAI
+``user`` field or "default" (``specdec_core.acceptance.TrafficClass``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from autoscaling.routing import (
+    PLAIN_POOL,
+    SPEC_TOPOLOGIES,
+    PoolLoad,
+    RequestFeatures,
+    RoutingContext,
+    RoutingDecision,
+    RoutingError,
+    RoutingThresholds,
+    route,
+)
+from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
+from specdec_core.costmodel import CostModel, StepCosts
+
+POOLS = ("plain", "colocated", "separate")
+
+# Per-step overhead of the separate topology's two Ray hops (Draft.propose + Target.verify), measured
+# on the 2-core CPU machine with `python -m deployments.measure_hops` (separate minus co-located step
+# time at batch 1): 13-15 ms. The config key `separate_hop_overhead_s` overrides it.
+SEPARATE_HOP_OVERHEAD_S = 14e-3
+
+# Prior step costs until a co-located replica's calibration arrives: DESIGN.md section 4's CPU table
+# (17M target, 1.9M draft, fp32, 2 threads, context 64), seconds. Only q = 1 and 9 were measured;
+# q in between is interpolated linearly.
+PRIOR_COSTS = StepCosts(
+    batches=(1, 8, 32, 128),
+    qs=(1, 9),
+    target_s=((18.7e-3, 29.9e-3), (31.1e-3, 63.3e-3), (64.8e-3, 207e-3), (161e-3, 548e-3)),
+    draft_s=(5.7e-3, 8.6e-3, 11.4e-3, 23.2e-3),
+    hop_overhead_s={"colocated": 0.0, "separate": SEPARATE_HOP_OVERHEAD_S},
+    source="prior:DESIGN.md-table",
+)
+
+# OpenAI `service_tier` values that mean "bulk, latency does not matter": the throughput objective.
+THROUGHPUT_TIERS = ("flex", "batch", "scale")
+# A representative temperature per bucket, for the /v1/regimes choice of a class.
+BUCKET_TEMPERATURE = {"greedy": 0.0, "low": 0.3, "mid": 0.8, "high": 1.5}
+
+
+def objective_of(requested: str | None, service_tier: str | None) -> str:
+    """`speculation.objective` wins; else a bulk `service_tier` means throughput; else latency."""
+    if requested:
+        return requested
+    return "throughput" if (service_tier or "").lower() in THROUGHPUT_TIERS else "latency"
+
+
+def with_hops(costs: StepCosts, separate_hop_s: float) -> StepCosts:
+    """The same measured forwards with this service's hop overheads (co-located: 0)."""
+    return dataclasses.replace(costs, hop_overhead_s={"colocated": 0.0, "separate": float(separate_hop_s)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A routing decision as the router runs it."""
+
+    decision: RoutingDecision
+    pool: str  # the deployed pool that runs it (plain decoding falls back to a spec pool with K=0)
+    batch: int  # per-replica batch the request joins (for the realised speedup)
+    adaptive: bool  # auto-mode speculation: the replica re-chooses K <= decision.k every step
+    traffic_class: TrafficClass
+
+
+class RouteState:
+    def __init__(
+        self,
+        draft_name: str | None,
+        tracker: AcceptanceTracker,
+        k_max: int,
+        default_k: int,
+        context_limit: int,
+        separate_hop_s: float = SEPARATE_HOP_OVERHEAD_S,
+        thresholds: RoutingThresholds | None = None,
+    ):
+        self.draft_name = draft_name or "none"
+        self.tracker = tracker
+        self.k_max = k_max
+        self.default_k = default_k
+        self.context_limit = context_limit
+        self.separate_hop_s = separate_hop_s
+        self.thresholds = thresholds or RoutingThresholds()
+        self.set_costs(PRIOR_COSTS)
+
+    # ---- costs -------------------------------------------------------------------------------
+    def set_costs(self, costs: StepCosts, source: str | None = None) -> None:
+        self.costs = with_hops(costs, self.separate_hop_s)
+        self.costs_source = source or costs.source
+        self.cost_model = CostModel(self.costs)
+
+    @property
+    def calibrated(self) -> bool:
+        return not self.costs_source.startswith("prior")
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def traffic_class(self, temperature: float, domain: str | None) -> TrafficClass:
+        return TrafficClass.of(self.draft_name, temperature, domain or "default")
+
+    def features(self, *, temperature: float, top_p: float, max_tokens: int, prompt_tokens: int, mode: str,
+                 k: int | None, topology: str | None, objective: str, cls: TrafficClass) -> RequestFeatures:
+        if k is None and (mode == "speculative" or topology is not None):
+            k = self.default_k  # explicit speculation without K: the configured default
+        return RequestFeatures(temperature, top_p, max_tokens, prompt_tokens, mode, k, topology, objective, cls)
+
+    def context(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> RoutingContext:
+        cls = features.traffic_class
+        spec = [t for t in SPEC_TOPOLOGIES if t in loads]
+        return RoutingContext(
+            features=features,
+            loads=dict(loads),
+            cost_models={t: self.cost_model for t in spec},
+            acceptance=self.tracker.estimate(cls),
+            evidence=self.tracker.evidence(cls),
+            context_limit=self.context_limit,
+            k_max=self.k_max,
+            thresholds=self.thresholds,
+        )
+
+    # ---- decision ------------------------------------------------------------------------------
+    def decide(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> Route:
+        """`route()` over the deployed pools (``loads`` holds only those). Raises RoutingError."""
+        d = route(self.context(features, loads))
+        pool = d.pool
+        if pool == PLAIN_POOL and PLAIN_POOL not in loads:
+            pool = next((p for p in POOLS if p in loads), None)  # a spec pool decodes plain with K=0
+            if pool is None:
+                raise RoutingError("no pool is deployed")
+        # Adaptive K runs inside a co-located replica's engine; the separate loop keeps the chosen K.
+        adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool == "colocated"
+        return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
+
+    # ---- feedback ------------------------------------------------------------------------------
+    def observe(self, cls: TrafficClass, stats: Mapping) -> None:
+        """A finished request's speculation stats (``RequestStats.as_dict()``): judged positions per
+        position (``proposed_per_position``) and accepted per position, the MLE of acceptance.py."""
+        judged = stats.get("proposed_per_position") or []
+        if sum(judged):
+            self.tracker.observe_request(cls, judged, stats.get("accepted_per_position") or [0] * len(judged),
+                                         int(stats.get("verify_steps") or 1))
+
+    def realised_speedup(self, batch: int, seconds_per_token: float) -> float | None:
+        """Plain step time per token at this batch (the cost model) / the request's measured decode
+        time per token; ~1 for plain requests when the costs are right."""
+        if seconds_per_token <= 0:
+            return None
+        return self.cost_model.plain_time_per_token(batch) / seconds_per_token
+
+    # ---- the live map ----------------------------------------------------------------------------
+    def regimes(self, loads: Mapping[str, PoolLoad]) -> dict:
+        """Per traffic class: acceptance estimate and evidence, cost ratio c at batch 1, break-even
+        batch, and the choice for a batch-1 latency request of the class; plus the pool loads."""
+        snap = self.tracker.snapshot()
+        classes = {(c["draft"], c["temperature_bucket"], c["domain"]): c for c in snap["classes"]}
+        greedy = (self.draft_name, "greedy", "default")
+        classes.setdefault(greedy, {"draft": greedy[0], "temperature_bucket": "greedy", "domain": "default",
+                                    "acceptance": self.tracker.estimate(TrafficClass(*greedy)), "evidence": 0.0,
+                                    "steps": 0, "per_position": []})
+        idle = {p: dataclasses.replace(load, active=0, queued=0) for p, load in loads.items()}
+        cm = self.cost_model
+        out = []
+        for key in sorted(classes, key=lambda k: (k[0], TEMPERATURE_BUCKETS.index(k[1]), k[2])):
+            c = dict(classes[key])
+            cls = TrafficClass(*key)
+            a = c["acceptance"]
+            best1 = cm.best_k(1, a, self.k_max)
+            feats = RequestFeatures(temperature=BUCKET_TEMPERATURE[cls.temperature_bucket], max_tokens=256,
+                                    traffic_class=cls)
+            choice = route(self.context(feats, idle)) if idle else None
+            c.update({
+                "cost_ratio_batch1": cm.cost_ratio(1),
+                "best_k_batch1": best1.k,
+                "predicted_speedup_batch1": best1.predicted_speedup,
+                "break_even_batch": cm.break_even_batch(a, best1.k) if best1.k > 0 else 1,
+                "choice": None if choice is None else {
+                    "pool": choice.pool, "topology": choice.topology, "k": choice.k, "regime": choice.regime,
+                    "predicted_speedup": choice.predicted_speedup, "reason": choice.reason},
+            })
+            out.append(c)
+        return {
+            "draft": self.draft_name,
+            "costs": {"source": self.costs_source, "calibrated": self.calibrated,
+                      "hop_overhead_s": dict(self.costs.hop_overhead_s), "batches": list(self.costs.batches)},
+            "k_max": self.k_max,
+            "pools": {p: dataclasses.asdict(load) for p, load in loads.items()},
+            "classes": out,
+        }
