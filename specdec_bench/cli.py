@@ -65,56 +65,52 @@ def main(argv: list[str] | None = None) -> None:
     args.func(args)
 
 
+def _emit(args, name: str, data: dict, markdown: str, plots=None) -> None:
+    """Write NAME.json and NAME.md (and plots) under --out, and print the table."""
+    from specdec_bench.report import write_json
+
+    write_json(data, args.out / f"{name}.json")
+    (args.out / f"{name}.md").write_text(markdown)
+    paths = plots(data, args.out) if plots else []
+    print(markdown)
+    print(f"wrote {args.out / name}.json, {args.out / name}.md" + "".join(f", {p}" for p in paths))
+
+
 def _regimes(args) -> None:
     from specdec_bench.regimes import run_regimes
-    from specdec_bench.report import plot_regimes, regimes_markdown, write_json
+    from specdec_bench.report import plot_regimes, regimes_markdown
 
     data = run_regimes(args)
-    write_json(data, args.out / "regimes.json")
-    (args.out / "regimes.md").write_text(regimes_markdown(data))
-    paths = plot_regimes(data, args.out)
-    print(f"wrote {args.out / 'regimes.json'}, {args.out / 'regimes.md'}, " + ", ".join(str(p) for p in paths))
+    _emit(args, "regimes", data, regimes_markdown(data), plot_regimes)
 
 
 def _peers(args) -> None:
     from specdec_bench.peers import peers_markdown, run_peers
-    from specdec_bench.report import write_json
 
     data = run_peers(args)
-    write_json(data, args.out / "peers.json")
-    (args.out / "peers.md").write_text(peers_markdown(data))
-    print(peers_markdown(data))
+    _emit(args, "peers", data, peers_markdown(data))
 
 
 def _predict(args) -> None:
     from specdec_bench.predict import predict_markdown, run_predict
-    from specdec_bench.report import plot_predict, write_json
+    from specdec_bench.report import plot_predict
 
     data = run_predict(args)
-    write_json(data, args.out / "predict.json")
-    (args.out / "predict.md").write_text(predict_markdown(data))
-    paths = plot_predict(data, args.out)
-    print(f"wrote {args.out / 'predict.json'}, {args.out / 'predict.md'}, " + ", ".join(str(p) for p in paths))
+    _emit(args, "predict", data, predict_markdown(data), plot_predict)
 
 
 def _serve(args) -> None:
     from specdec_bench.load import run_serve, serve_markdown
-    from specdec_bench.report import write_json
 
     data = run_serve(args)
-    write_json(data, args.out / "serve.json")
-    (args.out / "serve.md").write_text(serve_markdown(data))
-    print(serve_markdown(data))
+    _emit(args, "serve", data, serve_markdown(data))
 
 
 def _gpu(args) -> None:
     from specdec_bench.gpu import gpu_markdown, run_gpu
-    from specdec_bench.report import write_json
 
     data = run_gpu(args)
-    write_json(data, args.out / "regimes_gpu.json")
-    (args.out / "regimes_gpu.md").write_text(gpu_markdown(data))
-    print(gpu_markdown(data))
+    _emit(args, "regimes_gpu", data, gpu_markdown(data))
 
 
 if __name__ == "__main__":
