@@ -5,7 +5,7 @@
 times the pair through the engine's own step phases (``Engine.calibrate``: t_T(b, q) for
 b in --batches, q = K+1 in --qs, and t_D(b)) and writes a JSON record
 
-    {"target": abs path, "draft": abs path, "device": "cpu" | "cuda", "created": unix time,
+    {"target": path, "draft": path (relative to the project root when inside it), "device": "cpu" | "cuda", "created": unix time,
      "torch_threads": n, "costs": StepCosts.to_dict()}
 
 A file holds one record or ``{"calibrations": [record, ...]}`` (a new run replaces the record of
@@ -40,9 +40,18 @@ def _key(target: str, draft: str | None, device: str) -> tuple:
     return (resolve_model_path(target), resolve_model_path(draft) if draft else None, device_kind(device))
 
 
+def _portable(path: str | None) -> str | None:
+    """Paths inside the project are stored relative to its root, so a shipped file matches in any clone."""
+    root = Path(__file__).resolve().parent.parent
+    if path and Path(path).is_absolute() and Path(path).resolve().is_relative_to(root):
+        return str(Path(path).resolve().relative_to(root))
+    return path
+
+
 def record(costs: StepCosts, target: str, draft: str | None, device: str, **meta) -> dict:
     t, d, dev = _key(target, draft, device)
-    return {"target": t, "draft": d, "device": dev, "created": time.time(), **meta, "costs": costs.to_dict()}
+    return {"target": _portable(t), "draft": _portable(d), "device": dev, "created": time.time(), **meta,
+            "costs": costs.to_dict()}
 
 
 def _records(path: str | os.PathLike) -> list[dict]:
