@@ -142,22 +142,42 @@ def run_mode(engine: Engine, cell: Cell, prompts: list[list[int]], mode: str) ->
     return tokens / wall, 1000 * wall / groups / per_request_tokens, outs
 
 
-def predict(engine: Engine, cell: Cell, acceptance: float, prompt_len: int) -> tuple[float, float]:
+def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tuple[float, float]:
     """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole requests.
 
     Decode costs are calibrated through the engine's own step phases at the cell's batch and
-    context (on a synthetic prompt); a request also pays the target's prefill, and with
-    speculation the draft's prefill, which short outputs cannot amortise (prefill-heavy).
+    context (on a synthetic prompt). The traffic enters through what the speculative runs
+    measured: the per-token acceptance a, the mean number of tokens actually proposed per verify
+    step k (the n-gram proposer, or the end of a request, proposes fewer than K) and the share f
+    of decode steps that verified anything:
+        t_spec = [f (k t_D + t_T(k+1)) + (1 - f) t_T(1)] / [f E_k(a) + (1 - f)]
+    A request also pays the target's prefill, and with speculation the draft's prefill, which
+    short outputs cannot amortise (prefill-heavy).
     """
+    acceptance = judged_acceptance(spec_outs)
+    verify = sum(o.stats.verify_steps for o in spec_outs)
+    plain_steps = sum(o.stats.plain_steps for o in spec_outs)
+    k_mean = sum(o.stats.proposed for o in spec_outs) / verify if verify else 0.0
+    share = verify / (verify + plain_steps) if verify + plain_steps else 0.0
     context_len = prompt_len + cell.max_new_tokens // 2
-    costs = engine.calibrate(batches=(cell.batch,), qs=(1, cell.k + 1), context_len=context_len)
+    costs = engine.calibrate(batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})), context_len=context_len)
     model = CostModel(costs)
+    t_plain = model.plain_time_per_token(cell.batch)
+    spec_step = k_mean * costs.draft_time(cell.batch) + costs.target_time(cell.batch, k_mean + 1)
+    t_spec = (share * spec_step + (1 - share) * t_plain) / (
+        share * _tokens_per_step(acceptance, k_mean) + (1 - share)
+    )
     target_prefill = engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2)
     draft_prefill = costs.draft_prefill_s_per_token * prompt_len * cell.batch
     decode = cell.max_new_tokens - 1  # the first token comes from the target's prefill
-    plain = target_prefill + decode * model.plain_time_per_token(cell.batch)
-    spec = target_prefill + draft_prefill + decode * model.spec_time_per_token(cell.batch, cell.k, acceptance)
+    plain = target_prefill + decode * t_plain
+    spec = target_prefill + draft_prefill + decode * t_spec
     return plain / spec, model.cost_ratio(cell.batch)
+
+
+def _tokens_per_step(a: float, k: float) -> float:
+    """E_k(a) = (1 - a^(k+1)) / (1 - a) for a mean (possibly fractional) proposal length k."""
+    return k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
 def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
@@ -183,7 +203,7 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
             elif mode == "auto":
                 auto_outs += outs
     acceptance = judged_acceptance(spec_outs)
-    predicted, ratio = predict(engine, cell, acceptance, prompt_len)
+    predicted, ratio = predict(engine, cell, spec_outs, prompt_len)
     med = {m: statistics.median(v) for m, v in tok_s.items()}
     verify_steps = sum(o.stats.verify_steps for o in auto_outs)
     all_steps = verify_steps + sum(o.stats.plain_steps for o in auto_outs)
