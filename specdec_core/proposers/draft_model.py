@@ -45,19 +45,30 @@ class DraftModelProposer:
             )[:, 0]  # [B, V]
             for seq_id, i in zip(ids, active):
                 self.slots.fed(seq_id, feeds[i])
-            probs = process_logits(
-                logits,
-                torch.tensor([requests[i].temperature for i in active]),
-                torch.tensor([requests[i].top_p for i in active]),
-                torch.tensor([requests[i].top_k for i in active]),
-            )  # [B, V]
+            tokens = self._sample(logits, [requests[i] for i in active], [dists[i] for i in active])
             still = []
-            for row, i in enumerate(active):
-                token = int(sample_categorical(probs[row : row + 1], requests[i].generator)[0])
+            for i, token in zip(active, tokens):
                 proposed[i].append(token)
-                dists[i].append(probs[row])
                 feeds[i] = [token]
                 if len(proposed[i]) < requests[i].k:
                     still.append(i)
             active = still
+        # Greedy rows keep no distributions: their q is one-hot on the proposed token.
         return [Proposal(toks, torch.stack(d) if d else None) for toks, d in zip(proposed, dists)]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, requests: list[ProposalRequest], dists: list[list]) -> list[int]:
+        """Next draft token per row (logits [B, V]); sampled rows also record their q."""
+        tokens = logits.argmax(-1).tolist()
+        sampled = [row for row, r in enumerate(requests) if r.temperature > 0]
+        if sampled:
+            probs = process_logits(
+                logits[sampled],
+                torch.tensor([requests[row].temperature for row in sampled]),
+                torch.tensor([requests[row].top_p for row in sampled]),
+                torch.tensor([requests[row].top_k for row in sampled]),
+            )  # [S, V]
+            for j, row in enumerate(sampled):
+                tokens[row] = int(sample_categorical(probs[j : j + 1], requests[row].generator)[0])
+                dists[row].append(probs[j])
+        return tokens
