@@ -51,9 +51,9 @@ class Summary:
     runs: int
 
     @classmethod
-    def of(cls, values: list[float]) -> "Summary":
+    def of(cls, values: list[float]) -> Summary:
         ordered = sorted(values)
-        pick = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]  # noqa: E731
+        pick = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]
         return cls(statistics.median(ordered), pick(0.1), pick(0.9), len(ordered))
 
     def as_dict(self) -> dict:

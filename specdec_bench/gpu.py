@@ -85,7 +85,7 @@ def run_gpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.context,), generator=gen).tolist() for _ in range(max_batch)]
     plain_engine = Engine(target_runner, tokenizer, None, max_batch_size=max_batch)
-    params = lambda k: [SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True,  # noqa: E731
+    params = lambda k: [SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True,
                                        num_speculative_tokens=k) for _ in prompts]
     refs = plain_engine.generate(prompts, params=params(0))
     references = {tuple(p): p + o.token_ids for p, o in zip(prompts, refs)}
@@ -97,7 +97,7 @@ def run_gpu(args) -> dict:
     for a in args.acceptances:
         engine = Engine(target_runner, tokenizer, OracleProposer(draft_runner, references, a), max_batch_size=max_batch)
         for b in args.batches:
-            def timed(k):
+            def timed(k, engine=engine, b=b):
                 sync()
                 t0 = time.perf_counter()
                 outs = engine.generate(prompts[:b], params=params(k)[:b])

@@ -83,7 +83,7 @@ async def run_pass(args, model: str, speculation: dict, rate: float | None) -> d
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
     itl = sorted(x for r in ok for x in r["itl"])
-    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0  # noqa: E731
+    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
     proposed = sum(r["proposed"] for r in ok)
     return {
         "requests": len(results),

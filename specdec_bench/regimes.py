@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_prompts, machine_facts
 from specdec_core import Engine, SamplingParams
-from specdec_core.costmodel import CostModel
+from specdec_core.costmodel import CostModel, expected_tokens_per_step
 
 MODES = ("plain", "spec", "auto")
 
@@ -165,7 +165,7 @@ def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tup
     t_plain = model.plain_time_per_token(cell.batch)
     spec_step = k_mean * costs.draft_time(cell.batch) + costs.target_time(cell.batch, k_mean + 1)
     t_spec = (share * spec_step + (1 - share) * t_plain) / (
-        share * _tokens_per_step(acceptance, k_mean) + (1 - share)
+        share * expected_tokens_per_step(acceptance, k_mean) + (1 - share)
     )
     target_prefill = engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2)
     draft_prefill = costs.draft_prefill_s_per_token * prompt_len * cell.batch
@@ -173,11 +173,6 @@ def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tup
     plain = target_prefill + decode * t_plain
     spec = target_prefill + draft_prefill + decode * t_spec
     return plain / spec, model.cost_ratio(cell.batch)
-
-
-def _tokens_per_step(a: float, k: float) -> float:
-    """E_k(a) = (1 - a^(k+1)) / (1 - a) for a mean (possibly fractional) proposal length k."""
-    return k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
 def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:

@@ -11,8 +11,8 @@ from specdec_core.adaptive import AdaptiveK
 from specdec_core.async_engine import AsyncEngine
 from specdec_core.costmodel import CostModel, StepCosts
 from specdec_core.engine import Engine, StepTiming, check_same_tokenizer
-from specdec_core.request import RequestOutput, RequestState, SamplingParams
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest
+from specdec_core.request import RequestOutput, RequestState, SamplingParams
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import process_logits, rejection_sample, sample_categorical
 from specdec_core.stats import RequestStats
@@ -20,27 +20,27 @@ from specdec_core.verifier import Verifier, VerifyItem, VerifyResult
 
 __all__ = [
     "AcceptanceTracker",
-    "TrafficClass",
     "AdaptiveK",
-    "CostModel",
-    "StepCosts",
     "AsyncEngine",
-    "Engine",
-    "RequestOutput",
-    "RequestState",
-    "SamplingParams",
-    "StepTiming",
-    "check_same_tokenizer",
+    "CostModel",
     "DraftModelProposer",
+    "Engine",
+    "ModelRunner",
     "NgramProposer",
     "Proposal",
     "ProposalRequest",
-    "ModelRunner",
-    "process_logits",
-    "rejection_sample",
-    "sample_categorical",
+    "RequestOutput",
+    "RequestState",
     "RequestStats",
+    "SamplingParams",
+    "StepCosts",
+    "StepTiming",
+    "TrafficClass",
     "Verifier",
     "VerifyItem",
     "VerifyResult",
+    "check_same_tokenizer",
+    "process_logits",
+    "rejection_sample",
+    "sample_categorical",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from specdec_core.engine import Engine, RequestOutput, SamplingParams
 
@@ -72,7 +72,7 @@ class AsyncEngine:
                     return
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a broken step must reach every waiting caller
+            except Exception as exc:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
                 continue
@@ -88,5 +88,5 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine step failed: {exc}"))
         try:
             self.engine.step()  # processes the aborts, freeing slots
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("engine could not release requests after a failed step")

@@ -27,8 +27,9 @@ speculative replica from the same model. Pure: no I/O, no torch.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 TOPOLOGIES = ("colocated", "separate")
 
@@ -123,7 +124,7 @@ class StepCosts:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StepCosts":
+    def from_dict(cls, d: Mapping[str, Any]) -> StepCosts:
         return cls(
             batches=tuple(int(b) for b in d["batches"]),
             qs=tuple(int(q) for q in d["qs"]),
@@ -239,7 +240,7 @@ class ModelShape:
     bytes_per_param: int = 2
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelShape":
+    def from_hf_config(cls, config: Any) -> ModelShape:
         """From a HF Llama-style config (object or dict); parameters counted from shapes."""
         get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
         hidden, layers, vocab = get("hidden_size"), get("num_hidden_layers"), get("vocab_size")

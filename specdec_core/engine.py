@@ -19,16 +19,16 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from specdec_core.acceptance import AcceptanceTracker
 from specdec_core.adaptive import AdaptiveK, KState
 from specdec_core.costmodel import CostModel, StepCosts, calibrate
-from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
+from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids
 from specdec_core.runner import ModelRunner, load_tokenizer
 from specdec_core.verifier import Verifier, VerifyItem
 
@@ -96,7 +96,7 @@ class Engine:
         max_model_len: int = 1024,
         trust_remote_code: bool = False,
         ngram_max_n: int = 4,
-    ) -> "Engine":
+    ) -> Engine:
         """Load a target and optionally a draft from local paths or hub names.
 
         ``proposer`` is "draft" (needs ``draft``) or "ngram"; by default "draft" when a draft is

@@ -57,9 +57,6 @@ class SlotKVCache:
         """Data pointers of every buffer: tests assert they never change (no reallocation)."""
         return [t.data_ptr() for t in self.keys + self.values]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
     def update(self, key_states, value_states, layer_idx, kwargs=None):  # HF Cache protocol
         # key_states, value_states: [B, kv_heads, Q, head_dim] -> returns [B, kv_heads, kv_len, head_dim] views
         layout = self.layout

@@ -7,8 +7,8 @@ both paths stop and detokenize identically.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from specdec_core.detokenizer import DetokenizerState, detokenize_incrementally
 from specdec_core.stats import RequestStats

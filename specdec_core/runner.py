@@ -82,7 +82,7 @@ class ModelRunner:
         max_slots: int = 32,
         max_len: int = 1024,
         trust_remote_code: bool = False,
-    ) -> "ModelRunner":
+    ) -> ModelRunner:
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)

@@ -27,9 +27,6 @@ class SequenceSlots:
     def slot(self, seq_id: str) -> int:
         return self._slot[seq_id]
 
-    def cached_len(self, seq_id: str) -> int:
-        return len(self._cached[seq_id])
-
     def sync(self, seq_id: str, history: list[int]) -> list[int]:
         """Roll back to the common prefix with ``history``; return the tokens to feed (at least one)."""
         if seq_id not in self._slot:
