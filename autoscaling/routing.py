@@ -28,8 +28,8 @@ rate a, cost ratio c, Corollary 3.9 (a speedup needs a > c).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 from specdec_core.acceptance import TrafficClass
 from specdec_core.costmodel import CostModel, KChoice

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 # Our keys in Serve's policy_state; Serve keeps its own keys there too.
 _DIRECTION = "pool_pending_direction"  # +1 wants up, -1 wants down

@@ -69,6 +69,7 @@ class EngineReplica:
         adaptive K: requests with ``adaptive_k`` re-choose K <= their K every step from them."""
         device = device_kind(engine.target.device)
         t0 = time.perf_counter()
+        sampled = None  # a calibration file holds greedy costs; sampled requests are then priced by them
         if cfg.calibration_file:
             self._costs = load_calibration(cfg.calibration_file, cfg.target, cfg.draft, device)
             self._costs_source = f"file:{cfg.calibration_file}" if self._costs else None
@@ -76,13 +77,14 @@ class EngineReplica:
             batches = tuple(b for b in DEFAULT_BATCHES if b <= cfg.max_batch_size)
             qs = tuple(q for q in DEFAULT_QS if q <= cfg.k_max + 1)
             self._costs = engine.calibrate(batches=batches, qs=qs)
+            sampled = engine.calibrate(batches=batches, qs=qs, temperature=1.0)
             self._costs_source = f"calibrated:{device}"
         if self._costs is None:
             logger.warning("EngineReplica(%s): no step costs; adaptive K off", self.pool)
             return
         tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight,
                                     cfg.acceptance_half_life_tokens)
-        engine.enable_adaptive(self._costs, tracker)
+        engine.enable_adaptive(self._costs, tracker, sampled_costs=sampled)
         logger.info("EngineReplica(%s): step costs %s in %.1f s (t_T(1,1)=%.2f ms, t_D(1)=%.2f ms)", self.pool,
                     self._costs_source, time.perf_counter() - t0, self._costs.target_time(1, 1) * 1e3,
                     self._costs.draft_time(1) * 1e3)

@@ -27,13 +27,11 @@ import glob
 import gzip
 import hashlib
 import json
-import os
 import random
 import re
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import warnings
 import zlib
 from pathlib import Path
@@ -166,8 +164,7 @@ def is_heldout(doc_id: str, fraction: float = HELDOUT_FRACTION) -> bool:
 def write_jsonl(path: Path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
 def read_jsonl(path) -> list[dict]:

@@ -260,7 +260,7 @@ def card(R, names, drafts, a) -> str:
       f"step), batch 1, fp32, {R['env']['threads']} threads; {R['cost']['rounds']} rounds, each one sample (5 forwards) "
       "of the target then one of each draft; c = median over rounds of draft/target (IQR beside it: the machine is "
       "shared, so this is the noise). ms / token = median sample.\n")
-    w(f"| model | ms / token | c | c IQR |")
+    w("| model | ms / token | c | c IQR |")
     w("|---|---|---|---|")
     w(f"| `target` | {R['cost']['target_ms']:.2f} | 1 | - |")
     for n in drafts:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -247,7 +245,6 @@ def train_model(name: str, minutes: float | None, threads: int, eval_every_min=4
         state = c["state"]
         log(f"resumed {name} at step {state['step']}, {state['elapsed'] / 60:.1f} min, {state['tokens']:,} tokens")
     batcher = Batcher(spec.mix, spec.seq_len, spec.batch, seed=1000 + state["step"])
-    doms = list(spec.mix) if not teacher else ["prose", "code"]
     log(f"{name}: {n_params(model):,} params, L={spec.layers} H={spec.hidden}, budget {budget_s / 60:.1f} min, "
         f"threads {threads}, mix {spec.mix}, teacher {spec.teacher}")
 

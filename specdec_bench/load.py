@@ -9,6 +9,7 @@ other servers ignore it). The orchestration-overhead cell is the colocated vs se
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -49,7 +50,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
     return {
         "ttft": arrivals[0] if arrivals else end,
         "tpot": (end - arrivals[0]) / max(1, tokens - 1) if arrivals else 0.0,
-        "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
+        "itl": [b - a for a, b in itertools.pairwise(arrivals)],
         "tokens": tokens,
         "latency": end,
         "accepted": spec.get("accepted_tokens", 0),

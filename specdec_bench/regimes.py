@@ -109,7 +109,8 @@ class EnginePool:
             else:
                 eng = Engine.from_pretrained(target, str(self.models_dir / draft), max_batch_size=self.max_batch,
                                              max_model_len=1024)
-            eng.enable_adaptive(eng.calibrate(batches=(1, 8, 32, 64), qs=(1, 2, 3, 5, 9)))
+            grid = dict(batches=(1, 8, 32, 64), qs=(1, 2, 3, 5, 9))
+            eng.enable_adaptive(eng.calibrate(**grid), sampled_costs=eng.calibrate(**grid, temperature=1.0))
             self._engines[draft] = eng
         return self._engines[draft]
 
@@ -145,8 +146,8 @@ def run_mode(engine: Engine, cell: Cell, prompts: list[list[int]], mode: str) ->
 def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tuple[float, float]:
     """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole requests.
 
-    Decode costs are calibrated through the engine's own step phases at the cell's batch and
-    context (on a synthetic prompt). The traffic enters through what the speculative runs
+    Decode costs are calibrated through the engine's own step phases at the cell's batch, context
+    and temperature (on a synthetic prompt; sampling costs more per step than greedy). The traffic enters through what the speculative runs
     measured: the per-token acceptance a, the mean number of tokens actually proposed per verify
     step k (the n-gram proposer, or the end of a request, proposes fewer than K) and the share f
     of decode steps that verified anything:
@@ -160,7 +161,8 @@ def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tup
     k_mean = sum(o.stats.proposed for o in spec_outs) / verify if verify else 0.0
     share = verify / (verify + plain_steps) if verify + plain_steps else 0.0
     context_len = prompt_len + cell.max_new_tokens // 2
-    costs = engine.calibrate(batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})), context_len=context_len)
+    costs = engine.calibrate(batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})), context_len=context_len,
+                             temperature=cell.temperature)
     model = CostModel(costs)
     t_plain = model.plain_time_per_token(cell.batch)
     spec_step = k_mean * costs.draft_time(cell.batch) + costs.target_time(cell.batch, k_mean + 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass, temperature_bucket
 from specdec_core.costmodel import CostModel, adaptive_k
 
 
@@ -20,6 +20,7 @@ from specdec_core.costmodel import CostModel, adaptive_k
 class KState:
     k: int
     steps_at_current: int = 0
+    probe_every: int = 16  # steps at K=0 before a probe; doubles after every drop to K=0
 
 
 class AdaptiveK:
@@ -30,15 +31,24 @@ class AdaptiveK:
         draft_name: str,
         topology: str = "colocated",
         probe_every: int = 16,
+        max_probe_every: int = 256,
+        sampled_cost_model: CostModel | None = None,
     ):
         self.cost_model = cost_model
+        # Sampling costs more per step than greedy argmaxes (draft distributions, the rejection
+        # sampler: +15-20% of a batch-1 step here), so sampled traffic may get its own costs.
+        self.sampled_cost_model = sampled_cost_model or cost_model
         self.tracker = tracker
         self.draft_name = draft_name
         self.topology = topology
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
 
     def traffic_class(self, temperature: float, domain: str) -> TrafficClass:
         return TrafficClass.of(self.draft_name, temperature, domain)
+
+    def cost_model_for(self, cls: TrafficClass) -> CostModel:
+        return self.cost_model if cls.temperature_bucket == temperature_bucket(0.0) else self.sampled_cost_model
 
     def acceptance(self, cls: TrafficClass, accepted: int, judged: int) -> float:
         prior_weight = self.tracker.prior_weight
@@ -53,17 +63,29 @@ class AdaptiveK:
         ``catch_up_tokens`` (the prefill-heavy regime); otherwise the request decodes plainly.
         """
         a = self.acceptance(cls, accepted, judged)
+        model = self.cost_model_for(cls)
         if state is None:
-            best = self.cost_model.best_k(batch, a, k_max, self.topology)
-            plain = self.cost_model.plain_time_per_token(batch)
+            best = model.best_k(batch, a, k_max, self.topology)
+            plain = model.plain_time_per_token(batch)
             saving = remaining_tokens * (plain - best.time_per_token_s)
-            prefill = catch_up_tokens * self.cost_model.costs.draft_prefill_s_per_token
-            return KState(best.k if saving > prefill else 0)
+            prefill = catch_up_tokens * model.costs.draft_prefill_s_per_token
+            return KState(best.k if saving > prefill else 0, probe_every=self.probe_every)
         k = adaptive_k(
-            self.cost_model, batch, a, k_max, state.k, state.steps_at_current, self.topology,
-            probe_every=self.probe_every,
+            model, batch, a, k_max, state.k, state.steps_at_current, self.topology,
+            probe_every=state.probe_every,
         )
-        return KState(state.k if k == state.k else k, state.steps_at_current + 1 if k == state.k else 0)
+        if k == state.k:
+            return KState(k, state.steps_at_current + 1, state.probe_every)
+        # Back off: every fall to plain (a failed probe or a collapse) doubles the wait before the
+        # next probe, so traffic where speculation keeps losing pays for fewer probes; speculating
+        # beyond the probe's K shows that acceptance has returned and resets it.
+        if k == 0:
+            probe_every = min(2 * state.probe_every, self.max_probe_every)
+        elif k > 1:
+            probe_every = self.probe_every
+        else:
+            probe_every = state.probe_every
+        return KState(k, 0, probe_every)
 
     def observe(self, cls: TrafficClass, proposed: int, accepted: int) -> None:
         self.tracker.observe(cls, proposed, accepted)

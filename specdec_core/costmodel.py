@@ -196,14 +196,29 @@ def calibrate(
     hop_overhead_s: Mapping[str, float] = DEFAULT_HOP_OVERHEAD_S,
 ) -> StepCosts:
     """Time every grid point with the given functions (e.g. `runner.time_step`,
-    median seconds per forward). time_draft None: a model-free proposer, ~0 s."""
+    median seconds per forward). time_draft None: a model-free proposer, ~0 s.
+
+    Timing noise on a shared machine only ever adds time, and a forward with more
+    tokens or rows is never cheaper, so each measurement is capped by every
+    measurement at a larger shape (a suffix minimum along q and along batch): a
+    spike at one grid point would otherwise flip the best K (seen: t_T(1, 2) >
+    t_T(1, 5) made K=2 look worse than K=4)."""
+    target = [_suffix_min([float(time_target(b, q)) for q in qs]) for b in batches]
+    columns = [_suffix_min([row[j] for row in target]) for j in range(len(qs))]
     return StepCosts(
         batches=tuple(batches),
         qs=tuple(qs),
-        target_s=tuple(tuple(float(time_target(b, q)) for q in qs) for b in batches),
-        draft_s=tuple(float(time_draft(b)) if time_draft else 0.0 for b in batches),
+        target_s=tuple(tuple(col[i] for col in columns) for i in range(len(batches))),
+        draft_s=tuple(_suffix_min([float(time_draft(b)) if time_draft else 0.0 for b in batches])),
         hop_overhead_s=dict(hop_overhead_s),
     )
+
+
+def _suffix_min(values: list[float]) -> list[float]:
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
 
 
 # ---- Roofline: step times for hardware we do not have ----
@@ -310,6 +325,7 @@ def adaptive_k(
     hysteresis: float = 0.05,
     probe_every: int = 16,
     probe_k: int = 1,
+    probe_ceiling: float = 0.95,
 ) -> int:
     """Per-step re-choice of K for one request inside a speculative replica.
 
@@ -320,12 +336,17 @@ def adaptive_k(
       freezes at its collapsed value (decay is by judged tokens). After
       `probe_every` steps at K = 0 one step runs at `probe_k` to gather fresh
       evidence; if acceptance has returned, the estimate rises over a few probes
-      and K climbs back, otherwise the next call drops to 0 again.
+      and K climbs back, otherwise the next call drops to 0 again. No probe
+      where no K would pay even at acceptance `probe_ceiling` (an expensive
+      draft, a compute-bound batch): a probe then only costs the draft's
+      catch-up on the tokens it skipped.
     `steps_at_current` is the caller's count of steps since K last changed.
     """
     best = cost_model.best_k(batch, acceptance, k_max, topology)
     if current_k == 0 and best.k == 0:
-        return probe_k if steps_at_current >= probe_every else 0
+        if steps_at_current < probe_every:
+            return 0
+        return probe_k if cost_model.best_k(batch, probe_ceiling, k_max, topology).k > 0 else 0
     if current_k > k_max:
         return best.k
     current_time = cost_model.spec_time_per_token(batch, current_k, acceptance, topology)

@@ -127,15 +127,17 @@ class Engine:
         return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size)
 
     def calibrate(
-        self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 3
+        self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 3,
+        temperature: float = 0.0,
     ) -> StepCosts:
         """Measure step costs on this hardware through the engine's own code paths (seconds).
 
         For each batch b and verify width q = K+1, b requests decode with fixed K on a periodic
         prompt (so every proposer proposes all K tokens): t_T(b, q) is the verify phase of a step
         (target forward + sampling + bookkeeping), t_D(b) the propose phase per draft token. The
-        framework overhead is thereby inside the costs, as it is inside real steps. The engine
-        must be idle.
+        framework overhead is thereby inside the costs, as it is inside real steps. With
+        ``temperature`` > 0 the steps take the sampling path (draft distributions, the rejection
+        sampler), which costs more per step than greedy argmaxes. The engine must be idle.
         """
         if self.has_work():
             raise RuntimeError("calibrate needs an idle engine")
@@ -143,7 +145,7 @@ class Engine:
         draft_s = {}
 
         def time_target(b: int, q: int) -> float:
-            verify, propose = self._time_steps(b, q - 1, context_len, steps)
+            verify, propose = self._time_steps(b, q - 1, context_len, steps, temperature)
             if q > 1:
                 draft_s.setdefault(b, []).append(propose / (q - 1))
             return verify
@@ -159,9 +161,11 @@ class Engine:
             per_token = runner.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
         return dataclasses.replace(costs, draft_s=draft, draft_prefill_s_per_token=per_token)
 
-    def _time_steps(self, batch: int, k: int, context_len: int, steps: int) -> tuple[float, float]:
+    def _time_steps(self, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0
+                    ) -> tuple[float, float]:
         """Median (verify seconds, propose seconds) of ``steps`` decode steps at this batch and K."""
-        params = SamplingParams(max_new_tokens=(steps + 3) * (k + 1), ignore_eos=True, num_speculative_tokens=k)
+        params = SamplingParams(max_new_tokens=(steps + 3) * (k + 1), temperature=temperature, seed=0,
+                                ignore_eos=True, num_speculative_tokens=k)
         context_len = min(context_len, self.max_model_len - params.max_new_tokens)
         period = [(7 * i + 3) % self.target.vocab_size for i in range(7)]
         prompt = (period * (context_len // 7 + 1))[:context_len]
@@ -181,13 +185,19 @@ class Engine:
         return statistics.median(verify), statistics.median(propose)
 
     def enable_adaptive(
-        self, costs: StepCosts | None = None, tracker: AcceptanceTracker | None = None, topology: str = "colocated"
+        self, costs: StepCosts | None = None, tracker: AcceptanceTracker | None = None, topology: str = "colocated",
+        sampled_costs: StepCosts | None = None,
     ) -> AdaptiveK:
-        """Turn on per-step adaptive K for requests with ``adaptive_k=True`` (calibrates if no costs given)."""
+        """Turn on per-step adaptive K for requests with ``adaptive_k=True``. Without ``costs`` both
+        the greedy and the sampling path are calibrated now; ``sampled_costs`` None otherwise means
+        sampled requests are priced with ``costs``."""
         if self.proposer is None:
             raise ValueError("adaptive K needs a proposer")
+        if costs is None:
+            costs, sampled_costs = self.calibrate(), sampled_costs or self.calibrate(temperature=1.0)
         self.adaptive = AdaptiveK(
-            CostModel(costs or self.calibrate()), tracker or AcceptanceTracker(), self.proposer.name, topology
+            CostModel(costs), tracker or AcceptanceTracker(), self.proposer.name, topology,
+            sampled_cost_model=CostModel(sampled_costs) if sampled_costs else None,
         )
         return self.adaptive
 

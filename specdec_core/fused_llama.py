@@ -1,10 +1,11 @@
 """A lean decoder-layer stack for the plain Llama layout (llama, mistral without biases).
 
 Same weights and the same math as HF's ``LlamaDecoderLayer`` (RMSNorm, RoPE, SDPA, SwiGLU), but
-with q/k/v and gate/up fused into one matmul each (4 matmuls per layer instead of 7) and none of
-the per-module call machinery. For small models on CPU that framework overhead is most of a step
-(DESIGN.md: ~1.2 ms per layer at batch 1), and it sets the draft/target cost ratio c. The original
-module parameters are re-pointed at slices of the fused tensors, so no weight is stored twice.
+with q/k/v and gate/up fused into one matmul each (4 matmuls per layer instead of 7), each run by
+the kernel that suits its token count (``linear.Projection``), and none of the per-module call
+machinery. For small models on CPU that framework overhead is most of a step (DESIGN.md: ~1.2 ms
+per layer at batch 1), and it sets the draft/target cost ratio c. The original module parameters
+are re-pointed at slices of the fused tensors, so the HF modules keep working on the same memory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+from specdec_core.linear import Projection
 
 FUSABLE_MODEL_TYPES = ("llama", "mistral")
 
@@ -39,45 +42,45 @@ class FusedLlamaLayers:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        self.split = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                      self.num_kv_heads * self.head_dim)
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-            _share(qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
-            _share(gate_up, (mlp.gate_proj, mlp.up_proj))
-            self.layers.append((
-                layer.input_layernorm.weight, qkv, attn.o_proj.weight,
-                layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight,
-            ))
+            qkv = Projection(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+            gate_up = Projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            o_proj, down = Projection(attn.o_proj.weight), Projection(mlp.down_proj.weight)
+            share_weight(qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
+            share_weight(gate_up, (mlp.gate_proj, mlp.up_proj))
+            share_weight(o_proj, (attn.o_proj,))
+            share_weight(down, (mlp.down_proj,))
+            self.layers.append((layer.input_layernorm.weight, qkv, o_proj, layer.post_attention_layernorm.weight, gate_up, down))
 
     def __call__(self, hidden, pos_emb, mask, cache):
         # hidden: [B, Q, H]; pos_emb: (cos, sin) each [B, Q, head_dim]; mask: [B, 1, Q, kv_len] bool
         batch, q_len, width = hidden.shape
-        cos, sin = (t.unsqueeze(1) for t in pos_emb)  # [B, 1, Q, head_dim]
+        cos, sin = (t.unsqueeze(2) for t in pos_emb)  # [B, Q, 1, head_dim]
         gqa = self.num_kv_heads != self.num_heads
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk_width = (heads + kv_heads) * dim
         for idx, (ln_attn, qkv, o_proj, ln_mlp, gate_up, down) in enumerate(self.layers):
-            x = F.rms_norm(hidden, (width,), ln_attn, self.eps)
-            q, k, v = F.linear(x, qkv).split(self.split, dim=-1)
-            q = q.view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, Q, D]
-            k = k.view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            x = qkv(F.rms_norm(hidden, (width,), ln_attn, self.eps))  # [B, Q, (heads + 2 kv_heads) * D]
+            # RoPE on queries and keys in one pass: they sit side by side in the fused output.
+            qk = x[..., :qk_width].view(batch, q_len, heads + kv_heads, dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q = qk[:, :, :heads].transpose(1, 2)  # [B, heads, Q, D]
+            k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, Q, D]
+            v = x[..., qk_width:].view(batch, q_len, kv_heads, dim).transpose(1, 2)
             keys, values = cache.update(k, v, idx)  # [B, kv_heads, kv_len, D]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            hidden = hidden + F.linear(attn.transpose(1, 2).reshape(batch, q_len, -1), o_proj)
-            gate, up = F.linear(F.rms_norm(hidden, (width,), ln_mlp, self.eps), gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, down)
+            hidden = hidden + o_proj(attn.transpose(1, 2).reshape(batch, q_len, -1))
+            gate, up = gate_up(F.rms_norm(hidden, (width,), ln_mlp, self.eps)).chunk(2, dim=-1)
+            hidden = hidden + down(F.silu(gate) * up)
         return hidden
 
 
-def _share(fused: torch.Tensor, modules) -> None:
-    """Point each module's weight at its rows of the fused tensor (views, no copy)."""
+def share_weight(projection: Projection, modules) -> None:
+    """Point each module's weight at its rows of the projection's weight (views, no copy)."""
     start = 0
     for module in modules:
         rows = module.weight.shape[0]
-        module.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        module.weight = torch.nn.Parameter(projection.weight[start : start + rows], requires_grad=False)
         start += rows

@@ -17,8 +17,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from specdec_core.fused_llama import FusedLlamaLayers, can_fuse
+from specdec_core.fused_llama import FusedLlamaLayers, can_fuse, share_weight
 from specdec_core.kv_cache import SlotKVCache, StepLayout
+from specdec_core.linear import Projection
 
 # Decoder-only families whose base model is embed -> rotary -> layers(cache=...) -> norm -> lm_head,
 # the structure this runner drives directly.
@@ -55,18 +56,31 @@ class ModelRunner:
         self._embed, self._rotary, self._layers, self._norm = (
             base.embed_tokens, base.rotary_emb, base.layers, base.norm
         )
-        self._lm_head = model.lm_head
         # Plain Llama layouts run a fused, lean layer stack; other families run HF's own layers.
         self._fused = FusedLlamaLayers(model) if can_fuse(model) else None
+        self._lm_head = model.lm_head
+        if self._fused is not None:
+            self._lm_head = Projection(model.lm_head.weight)
+            tied = model.lm_head.weight is self._embed.weight
+            share_weight(self._lm_head, (model.lm_head,))
+            if tied:  # keep the tie: the embedding reads the same memory
+                self._embed.weight = model.lm_head.weight
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         max_positions = getattr(cfg, "max_position_embeddings", max_len)
         self.max_len = min(max_len, max_positions)
+        # Static RoPE variants depend on the position only: look cos/sin up instead of recomputing
+        # them every forward (HF's rotary module is ~45 us of a ~0.8 ms draft step on CPU).
+        self._rope_table = None
+        if getattr(self._rotary, "rope_type", "default") not in ("dynamic", "longrope"):
+            positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
+            cos, sin = self._rotary(torch.empty(0, dtype=self.dtype, device=self.device), positions)
+            self._rope_table = (cos[0], sin[0])  # each [max_len, head_dim]
         self.cache = SlotKVCache(
             cfg.num_hidden_layers, max_slots, kv_heads, head_dim, self.max_len, self.dtype, self.device
         )
-        self.vocab_size = self._lm_head.out_features
+        self.vocab_size = model.lm_head.out_features
         self.num_layers = cfg.num_hidden_layers
         self.num_params = sum(p.numel() for p in model.parameters())
         self._lengths = [0] * max_slots
@@ -167,7 +181,11 @@ class ModelRunner:
             contiguous_from=start if contiguous else None,
         )
         hidden = self._embed(ids)  # [B, Q, H]
-        pos_emb = self._rotary(hidden, positions)
+        if self._rope_table is not None:
+            at = positions.clamp(max=self.max_len - 1)  # padding columns may run past the end
+            pos_emb = (self._rope_table[0][at], self._rope_table[1][at])
+        else:
+            pos_emb = self._rotary(hidden, positions)
         if self._fused is not None:
             hidden = self._fused(hidden, pos_emb, mask, self.cache)
         else:

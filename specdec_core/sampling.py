@@ -140,6 +140,24 @@ def rejection_sample_unchecked(
     return out
 
 
+def greedy_verify(
+    draft_token_ids: torch.Tensor,  # [B, K] int64
+    target_logits: torch.Tensor,  # [B, K+1, V] target logits at the K draft positions + the bonus position
+) -> list[list[int]]:
+    """Temperature 0: the one-hot limit of ``rejection_sample``, straight from the logits.
+
+    With p = one-hot(argmax target) and q = one-hot(draft token), a draft token is accepted iff it
+    is the target's argmax, and the recovered (or bonus) token is the argmax at the first mismatch.
+    Skips building [B, K+1, V] distributions: at batch 1 that saved ~0.4 ms of a ~5 ms verify step.
+    """
+    k = draft_token_ids.shape[1]
+    best = target_logits.argmax(-1)  # [B, K+1]
+    matches = (draft_token_ids.to(best.device) == best[:, :k]).long()
+    num_accepted = matches.cumprod(-1).sum(-1).tolist()  # [B]
+    best_rows = best.tolist()
+    return [row[: n + 1] for row, n in zip(best_rows, num_accepted)]
+
+
 def _validate(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> None:
     if draft_token_ids.dim() != 2:
         raise ValueError(f"draft_token_ids must be [batch, k], got shape {tuple(draft_token_ids.shape)}")

@@ -19,7 +19,12 @@ import torch
 
 from specdec_core.proposers.base import Proposal
 from specdec_core.runner import ModelRunner
-from specdec_core.sampling import process_logits, rejection_sample_unchecked, sample_categorical
+from specdec_core.sampling import (
+    greedy_verify,
+    process_logits,
+    rejection_sample_unchecked,
+    sample_categorical,
+)
 from specdec_core.slots import SequenceSlots
 
 
@@ -64,13 +69,7 @@ class Verifier:
         logits = self.runner.forward(
             [self.slots.slot(it.seq_id) for it in items], feeds, [k + 1 for k in ks]
         )  # [B, max K + 1, V]
-        target_probs = process_logits(
-            logits,
-            torch.tensor([it.temperature for it in items]),
-            torch.tensor([it.top_p for it in items]),
-            torch.tensor([it.top_k for it in items]),
-        )  # [B, max K + 1, V]
-        emitted = self._rejection_sample(items, ks, target_probs)
+        emitted = self._sample(items, ks, logits)
         results = []
         for it, k, feed, out in zip(items, ks, feeds, emitted):
             self.slots.fed(it.seq_id, feed)
@@ -79,38 +78,38 @@ class Verifier:
             results.append(VerifyResult(out, k, num_accepted))
         return results
 
-    def _rejection_sample(
-        self, items: list[VerifyItem], ks: list[int], target_probs: torch.Tensor
-    ) -> list[list[int]]:
-        """Greedy rows are batched per K; sampled rows use their own generator, so a request's
-        random stream does not depend on what else shares the batch."""
+    def _sample(self, items: list[VerifyItem], ks: list[int], logits: torch.Tensor) -> list[list[int]]:
+        """Emitted tokens per row from the target logits [B, max K + 1, V]. Greedy rows are batched
+        per K; sampled rows use their own generator, so a request's random stream does not depend
+        on what else shares the batch."""
         out: list[list[int]] = [[] for _ in items]
         greedy_groups: dict[int, list[int]] = defaultdict(list)
+        sampled = []
         for i, it in enumerate(items):
-            if it.temperature == 0:
-                greedy_groups[ks[i]].append(i)
-            else:
-                self._sample_rows([i], items, ks[i], target_probs, it.generator, out)
+            (greedy_groups[ks[i]] if it.temperature == 0 else sampled).append(i)
         for k, rows in greedy_groups.items():
-            self._sample_rows(rows, items, k, target_probs, None, out)
+            ids = torch.tensor([items[i].proposal.token_ids for i in rows], dtype=torch.long).view(len(rows), k)
+            for i, toks in zip(rows, greedy_verify(ids, logits[rows, : k + 1])):
+                out[i] = toks
+        if sampled:
+            target_probs = process_logits(
+                logits[sampled],
+                torch.tensor([items[i].temperature for i in sampled]),
+                torch.tensor([items[i].top_p for i in sampled]),
+                torch.tensor([items[i].top_k for i in sampled]),
+            )  # [S, max K + 1, V]
+            for j, i in enumerate(sampled):
+                out[i] = self._rejection_sample(items[i], ks[i], target_probs[j : j + 1])
         return out
 
-    def _sample_rows(self, rows, items, k, target_probs, generator, out) -> None:
-        if k == 0:  # plain rows: rejection sampling with K=0 is sampling p at the bonus position
-            p = target_probs[rows, 0]  # [R, V]
-            greedy = items[rows[0]].temperature == 0  # greedy rows come grouped, p one-hot
-            tokens = p.argmax(-1) if greedy else sample_categorical(p, generator)
-            for i, token in zip(rows, tokens.tolist()):
-                out[i] = [token]
-            return
-        vocab = target_probs.shape[-1]
-        ids = torch.tensor([items[i].proposal.token_ids for i in rows], dtype=torch.long).view(len(rows), k)
-        q = torch.stack([_draft_probs(items[i].proposal, vocab) for i in rows])  # [R, K, V]
-        p = target_probs[rows, : k + 1]  # [R, K+1, V]
-        sampled = rejection_sample_unchecked(ids, q, p, generator)
-        for row, i in enumerate(rows):
-            toks = sampled[row]
-            out[i] = toks[toks >= 0].tolist()
+    @staticmethod
+    def _rejection_sample(item: VerifyItem, k: int, target_probs: torch.Tensor) -> list[int]:  # [1, K'+1, V]
+        if k == 0:  # a plain row: rejection sampling with K=0 is sampling p at the bonus position
+            return sample_categorical(target_probs[:, 0], item.generator).tolist()
+        ids = torch.tensor([item.proposal.token_ids], dtype=torch.long)  # [1, K]
+        q = _draft_probs(item.proposal, target_probs.shape[-1]).unsqueeze(0)  # [1, K, V]
+        toks = rejection_sample_unchecked(ids, q, target_probs[:, : k + 1], item.generator)[0]
+        return toks[toks >= 0].tolist()
 
 
 def _draft_probs(proposal: Proposal, vocab: int) -> torch.Tensor:  # [K, V]

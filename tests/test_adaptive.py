@@ -1,6 +1,8 @@
 """Adaptive K in the engine: speculation where it pays, K=0 after an acceptance collapse, output
 still lossless."""
 
+import itertools
+
 import pytest
 
 from specdec_core import AcceptanceTracker, AdaptiveK, CostModel, Engine, StepCosts
@@ -80,3 +82,21 @@ def test_prefill_heavy_request_starts_plain():
     cls = policy.traffic_class(0.0, "default")
     assert policy.choose(None, cls, 0, 0, batch=1, k_max=4, remaining_tokens=4, catch_up_tokens=500).k == 0
     assert policy.choose(None, cls, 0, 0, batch=1, k_max=4, remaining_tokens=500, catch_up_tokens=500).k > 0
+
+
+def test_failed_probes_back_off_and_speculation_resets_the_interval():
+    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    cls = policy.traffic_class(0.0, "default")
+    state = policy.choose(None, cls, accepted=0, judged=400, batch=1, k_max=8)
+    ks, waits = [], []
+    for _ in range(40):  # acceptance stays collapsed: every probe fails
+        state = policy.choose(state, cls, accepted=0, judged=400, batch=1, k_max=8)
+        ks.append(state.k)
+        waits.append(state.probe_every)
+    probes = [i for i, k in enumerate(ks) if k == 1]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes thin out
+    assert max(waits) > 4
+    # Acceptance returns: the next probe climbs past K=1 and the interval is back at its base.
+    state = policy.choose(state.__class__(1, 0, max(waits)), cls, accepted=390, judged=400, batch=1, k_max=8)
+    assert state.k > 1 and state.probe_every == 4

@@ -143,6 +143,14 @@ def test_calibrate_calls_grid():
     assert calibrate(time_target, None, batches=(1,), qs=(1,)).draft_s == (0.0,)
 
 
+def test_calibrate_caps_noise_spikes_by_larger_shapes():
+    """A spike at (b=1, q=2) above the q=5 measurement is noise: it is capped, the rest kept."""
+    measured = {(1, 1): 2.0, (1, 2): 4.0, (1, 5): 3.0, (8, 1): 1.5, (8, 2): 5.0, (8, 5): 6.0}
+    costs = calibrate(lambda b, q: measured[b, q], {1: 0.9, 8: 0.8}.get, batches=(1, 8), qs=(1, 2, 5))
+    assert costs.target_s == ((1.5, 3.0, 3.0), (1.5, 5.0, 6.0))
+    assert costs.draft_s == (0.8, 0.8)
+
+
 def test_roofline_h200_8b_decode_is_memory_bound():
     weights = llama3_8b.num_params * 2
     t = roofline_step_time(llama3_8b, H200, batch=1, q=1, context_len=128) - H200.per_step_overhead_s
@@ -213,6 +221,14 @@ def test_adaptive_k_drops_to_plain_and_recovers_with_probe():
     assert [adaptive_k(acceptance=0.05, current_k=0, steps_at_current=s, **kw) for s in range(6)] == [0] * 4 + [1, 1]
     assert adaptive_k(acceptance=0.05, current_k=1, **kw) == 0  # probe failed: back to plain
     assert adaptive_k(acceptance=0.8, current_k=1, **kw) > 1  # probe found acceptance back
+
+
+def test_adaptive_k_never_probes_where_no_k_can_pay():
+    """An expensive draft (c = 0.97): even at a = 0.95 no K beats plain (Corollary 3.9), so a probe would only cost
+    the draft's catch-up; a cheap draft at the same collapsed acceptance is probed."""
+    kw = dict(batch=1, acceptance=0.05, k_max=8, current_k=0, steps_at_current=100, probe_every=4)
+    assert adaptive_k(CostModel(leviathan_costs(0.97)), **kw) == 0
+    assert adaptive_k(CostModel(leviathan_costs(0.05)), **kw) == 1
 
 
 def test_adaptive_k_hysteresis_keeps_near_ties():

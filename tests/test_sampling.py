@@ -4,7 +4,7 @@ determinism and input validation."""
 import pytest
 import torch
 
-from specdec_core.sampling import process_logits, rejection_sample
+from specdec_core.sampling import greedy_verify, process_logits, rejection_sample
 
 
 def one_hot(idx, vocab):
@@ -25,6 +25,19 @@ def test_greedy_all_accepted_adds_bonus_token():
     q = one_hot([[3, 3], [1, 0]], vocab)
     p = one_hot([[3, 3, 5], [2, 0, 4]], vocab)
     assert rejection_sample(draft_ids, q, p).tolist() == [[3, 3, 5], [2, -1, -1]]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 6])
+def test_greedy_verify_is_the_one_hot_limit_of_rejection_sampling(k):
+    gen = torch.Generator().manual_seed(k)
+    vocab, batch = 7, 64
+    logits = torch.randn(batch, k + 1, vocab, generator=gen)
+    best = logits.argmax(-1)
+    # Drafts that agree with the target's argmax for a random number of positions, then guess.
+    draft = torch.where(torch.rand(batch, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, vocab, (batch, k)))
+    expected = rejection_sample(draft, torch.nn.functional.one_hot(draft, vocab).float(),
+                                process_logits(logits, torch.zeros(batch)))
+    assert greedy_verify(draft, logits) == [row[row >= 0].tolist() for row in expected]
 
 
 def test_zero_target_probability_is_never_accepted_and_recovery_excludes_draft_token():
