@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass, temperature_bucket
-from specdec_core.costmodel import CostModel, adaptive_k
+from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k
 
 
 @dataclass
@@ -58,22 +58,26 @@ class AdaptiveK:
                k_max: int, remaining_tokens: int = 1 << 30, catch_up_tokens: int = 0) -> KState:
         """The next K for one request; ``state`` None on its first decode step.
 
-        On the first step the draft has not seen the prompt yet: speculation starts only if its
-        expected saving over the remaining tokens exceeds the draft's prefill of
-        ``catch_up_tokens`` (the prefill-heavy regime); otherwise the request decodes plainly.
+        ``catch_up_tokens`` is what the draft has not seen: the prompt on the first step, the tokens
+        emitted during plain steps later. Speculation starts (or a probe runs) only if its saving
+        over the remaining tokens can pay the draft's catch-up prefill (the prefill-heavy and
+        long-context regimes); on the first step the saving is priced at the acceptance estimate,
+        for a probe at ``PROBE_CEILING`` (could it pay if acceptance were back?).
         """
         a = self.acceptance(cls, accepted, judged)
         model = self.cost_model_for(cls)
         if state is None:
-            best = model.best_k(batch, a, k_max, self.topology)
-            plain = model.plain_time_per_token(batch)
-            saving = remaining_tokens * (plain - best.time_per_token_s)
-            prefill = catch_up_tokens * model.costs.draft_prefill_s_per_token
-            return KState(best.k if saving > prefill else 0, probe_every=self.probe_every)
+            k = model.best_k(batch, a, k_max, self.topology).k
+            pays = self._pays_for_catch_up(model, batch, a, k_max, remaining_tokens, catch_up_tokens)
+            return KState(k if pays else 0, probe_every=self.probe_every)
         k = adaptive_k(
             model, batch, a, k_max, state.k, state.steps_at_current, self.topology,
             probe_every=state.probe_every,
         )
+        if state.k == 0 and k > 0 and not self._pays_for_catch_up(
+            model, batch, max(a, PROBE_CEILING), k_max, remaining_tokens, catch_up_tokens
+        ):
+            k = 0
         if k == state.k:
             return KState(k, state.steps_at_current + 1, state.probe_every)
         # Back off: every fall to plain (a failed probe or a collapse) doubles the wait before the
@@ -86,6 +90,12 @@ class AdaptiveK:
         else:
             probe_every = state.probe_every
         return KState(k, 0, probe_every)
+
+    def _pays_for_catch_up(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,
+                           catch_up_tokens: int) -> bool:
+        best = model.best_k(batch, a, k_max, self.topology)
+        saving = remaining_tokens * (model.plain_time_per_token(batch) - best.time_per_token_s)
+        return saving > catch_up_tokens * model.costs.draft_prefill_s_per_token
 
     def observe(self, cls: TrafficClass, proposed: int, accepted: int) -> None:
         self.tracker.observe(cls, proposed, accepted)

@@ -40,6 +40,8 @@ RAY_HOP_S = 8e-3
 DEFAULT_HOP_OVERHEAD_S: Mapping[str, float] = {"colocated": 0.0, "separate": 2 * RAY_HOP_S}
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# Acceptance a probe is priced at: "would speculation pay if acceptance were back?"
+PROBE_CEILING = 0.95
 DEFAULT_QS = (1, 2, 3, 5, 9)  # K+1 for K in {0, 1, 2, 4, 8}
 
 
@@ -325,7 +327,7 @@ def adaptive_k(
     hysteresis: float = 0.05,
     probe_every: int = 16,
     probe_k: int = 1,
-    probe_ceiling: float = 0.95,
+    probe_ceiling: float = PROBE_CEILING,
 ) -> int:
     """Per-step re-choice of K for one request inside a speculative replica.
 

@@ -54,6 +54,7 @@ class _Request(RequestState):
         self.generator = generator
         self.draft_failed = False
         self.k_state: KState | None = None  # adaptive K of this request
+        self.draft_seen = 0  # history length at the last proposal: the draft has cached about this much
 
 
 class Engine:
@@ -310,7 +311,7 @@ class Engine:
             req.k_state = self.adaptive.choose(
                 req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
                 batch, k, remaining_tokens=req.params.max_new_tokens - len(req.output_ids),
-                catch_up_tokens=len(req.tokens),
+                catch_up_tokens=len(req.tokens) - req.draft_seen,
             )
             k = req.k_state.k
         return req.budget_k(k, self.max_model_len)
@@ -320,6 +321,8 @@ class Engine:
         spec = [i for i, k in enumerate(ks) if k > 0]
         if not spec:
             return proposals
+        for i in spec:
+            rows[i].draft_seen = len(rows[i].tokens)
         requests = [
             ProposalRequest(
                 rows[i].request_id, rows[i].tokens, ks[i],

@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from specdec_core import AcceptanceTracker, AdaptiveK, CostModel, Engine, StepCosts
+from specdec_core.adaptive import KState
 
 # Synthetic costs shaped like DESIGN.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
 # batch 1 and ~3.4x at batch 64.
@@ -98,5 +99,18 @@ def test_failed_probes_back_off_and_speculation_resets_the_interval():
     assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes thin out
     assert max(waits) > 4
     # Acceptance returns: the next probe climbs past K=1 and the interval is back at its base.
-    state = policy.choose(state.__class__(1, 0, max(waits)), cls, accepted=390, judged=400, batch=1, k_max=8)
+    state = policy.choose(KState(1, 0, max(waits)), cls, accepted=390, judged=400, batch=1, k_max=8)
     assert state.k > 1 and state.probe_every == 4
+
+
+def test_probe_waits_when_the_draft_catch_up_cannot_pay():
+    """Long context: after plain steps the draft is hundreds of tokens behind; a probe would pay that
+    prefill for a handful of remaining tokens, so it is skipped; with few tokens to catch up it runs."""
+    costs = StepCosts(batches=COSTS.batches, qs=COSTS.qs, target_s=COSTS.target_s, draft_s=COSTS.draft_s,
+                      draft_prefill_s_per_token=0.001)
+    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    cls = policy.traffic_class(0.0, "default")
+    state = KState(0, steps_at_current=10, probe_every=4)  # at K=0, a probe is due
+    kw = dict(accepted=0, judged=400, batch=1, k_max=8, remaining_tokens=8)
+    assert policy.choose(state, cls, catch_up_tokens=600, **kw).k == 0
+    assert policy.choose(state, cls, catch_up_tokens=2, **kw).k == 1
