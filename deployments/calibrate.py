@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
     t0 = time.perf_counter()
     costs = engine.calibrate(batches=tuple(int(b) for b in args.batches.split(",")),
-                             qs=tuple(int(q) for q in args.qs.split(",")))
+                             qs=tuple(int(q) for q in args.qs.split(",")), long_context_len=args.max_model_len // 2)
     rec = record(costs, args.target, args.draft, device_kind(engine.target.device), torch_threads=args.threads,
                  calibrate_s=round(time.perf_counter() - t0, 2))
     save_calibration(args.out, rec)

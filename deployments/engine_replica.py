@@ -76,8 +76,9 @@ class EngineReplica:
         if self._costs is None and cfg.calibrate_on_start:
             batches = tuple(b for b in DEFAULT_BATCHES if b <= cfg.max_batch_size)
             qs = tuple(q for q in DEFAULT_QS if q <= cfg.k_max + 1)
-            self._costs = engine.calibrate(batches=batches, qs=qs)
-            sampled = engine.calibrate(batches=batches, qs=qs, temperature=1.0)
+            grid = dict(batches=batches, qs=qs, long_context_len=cfg.max_model_len // 2)
+            self._costs = engine.calibrate(**grid)
+            sampled = engine.calibrate(**grid, temperature=1.0)
             self._costs_source = f"calibrated:{device}"
         if self._costs is None:
             logger.warning("EngineReplica(%s): no step costs; adaptive K off", self.pool)

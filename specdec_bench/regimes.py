@@ -109,7 +109,7 @@ class EnginePool:
             else:
                 eng = Engine.from_pretrained(target, str(self.models_dir / draft), max_batch_size=self.max_batch,
                                              max_model_len=1024)
-            grid = dict(batches=(1, 8, 32, 64), qs=(1, 2, 3, 5, 9))
+            grid = dict(batches=(1, 8, 32, 64), qs=(1, 2, 3, 5, 9), long_context_len=512)
             eng.enable_adaptive(eng.calibrate(**grid), sampled_costs=eng.calibrate(**grid, temperature=1.0))
             self._engines[draft] = eng
         return self._engines[draft]

@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass, temperature_bucket
-from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k
+from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k, expected_tokens_per_step
+
+
+CONTEXT_BUCKET = 64  # tokens: adaptive K prices a request at its context rounded up to this
 
 
 @dataclass
@@ -38,6 +41,7 @@ class AdaptiveK:
         # Sampling costs more per step than greedy argmaxes (draft distributions, the rejection
         # sampler: +15-20% of a batch-1 step here), so sampled traffic may get its own costs.
         self.sampled_cost_model = sampled_cost_model or cost_model
+        self._by_context: dict[tuple[bool, int], CostModel] = {}
         self.tracker = tracker
         self.draft_name = draft_name
         self.topology = topology
@@ -47,15 +51,24 @@ class AdaptiveK:
     def traffic_class(self, temperature: float, domain: str) -> TrafficClass:
         return TrafficClass.of(self.draft_name, temperature, domain)
 
-    def cost_model_for(self, cls: TrafficClass) -> CostModel:
-        return self.cost_model if cls.temperature_bucket == temperature_bucket(0.0) else self.sampled_cost_model
+    def cost_model_for(self, cls: TrafficClass, context_len: int = 0) -> CostModel:
+        """The cost model for this class's sampling path, priced at the context (rounded up to a
+        multiple of 64 tokens, and cached, so a step does not rebuild a grid per request)."""
+        greedy = cls.temperature_bucket == temperature_bucket(0.0)
+        key = (greedy, -(-context_len // CONTEXT_BUCKET))
+        model = self._by_context.get(key)
+        if model is None:
+            base = self.cost_model if greedy else self.sampled_cost_model
+            model = self._by_context[key] = CostModel(base.costs.at_context(key[1] * CONTEXT_BUCKET))
+        return model
 
     def acceptance(self, cls: TrafficClass, accepted: int, judged: int) -> float:
         prior_weight = self.tracker.prior_weight
         return (accepted + prior_weight * self.tracker.estimate(cls)) / (judged + prior_weight)
 
     def choose(self, state: KState | None, cls: TrafficClass, accepted: int, judged: int, batch: int,
-               k_max: int, remaining_tokens: int = 1 << 30, catch_up_tokens: int = 0) -> KState:
+               k_max: int, remaining_tokens: int = 1 << 30, catch_up_tokens: int = 0, context_len: int = 0
+               ) -> KState:
         """The next K for one request; ``state`` None on its first decode step.
 
         ``catch_up_tokens`` is what the draft has not seen: the prompt on the first step, the tokens
@@ -65,7 +78,7 @@ class AdaptiveK:
         for a probe at ``PROBE_CEILING`` (could it pay if acceptance were back?).
         """
         a = self.acceptance(cls, accepted, judged)
-        model = self.cost_model_for(cls)
+        model = self.cost_model_for(cls, context_len)
         if state is None:
             k = model.best_k(batch, a, k_max, self.topology).k
             pays = self._pays_for_catch_up(model, batch, a, k_max, remaining_tokens, catch_up_tokens)
@@ -91,11 +104,29 @@ class AdaptiveK:
             probe_every = state.probe_every
         return KState(k, 0, probe_every)
 
+    def batch_pays(self, model: CostModel, ks: list[int], acceptances: list[float]) -> bool:
+        """Does this step's mix of K beat a plain step for the batch as a whole?
+
+        Each row chose its K as if the batch shared it, but a ragged batch is padded: one row at
+        K=1 among plain rows makes every row's verify two tokens wide and adds a draft forward.
+        Rows at K=0 emit one token, speculative rows E_K(a) on average; the step pays if the batch
+        emits tokens faster than plain steps would. For a uniform batch this is the per-row rule.
+        """
+        widest = max(ks)
+        if widest == 0:
+            return True
+        batch, spec_rows = len(ks), sum(1 for k in ks if k)
+        costs = model.costs
+        step = costs.target_time(batch, widest + 1) + widest * costs.draft_time(spec_rows) + costs.hop(self.topology)
+        tokens = sum(expected_tokens_per_step(a, k) for a, k in zip(acceptances, ks))  # E_0 = 1: plain rows
+        return tokens / step > batch / model.plain_time_per_token(batch)
+
     def _pays_for_catch_up(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,
                            catch_up_tokens: int) -> bool:
         best = model.best_k(batch, a, k_max, self.topology)
         saving = remaining_tokens * (model.plain_time_per_token(batch) - best.time_per_token_s)
-        return saving > catch_up_tokens * model.costs.draft_prefill_s_per_token
+        # The catch-up prefill runs inside a batch step: every row of the batch waits for it.
+        return saving > catch_up_tokens * model.costs.draft_prefill_s_per_token * batch
 
     def observe(self, cls: TrafficClass, proposed: int, accepted: int) -> None:
         self.tracker.observe(cls, proposed, accepted)

@@ -129,7 +129,7 @@ class Engine:
 
     def calibrate(
         self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 3,
-        temperature: float = 0.0,
+        temperature: float = 0.0, long_context_len: int | None = None,
     ) -> StepCosts:
         """Measure step costs on this hardware through the engine's own code paths (seconds).
 
@@ -138,11 +138,14 @@ class Engine:
         (target forward + sampling + bookkeeping), t_D(b) the propose phase per draft token. The
         framework overhead is thereby inside the costs, as it is inside real steps. With
         ``temperature`` > 0 the steps take the sampling path (draft distributions, the rejection
-        sampler), which costs more per step than greedy argmaxes. The engine must be idle.
+        sampler), which costs more per step than greedy argmaxes. With ``long_context_len`` the
+        batch-1 steps are timed again at that context, which gives the per-token context slopes
+        (``StepCosts.at_context``). The engine must be idle.
         """
         if self.has_work():
             raise RuntimeError("calibrate needs an idle engine")
         batches = [b for b in batches if b <= min(self.max_batch_size, self.target.num_free_slots)]
+        speculative = self.proposer is not None and max(qs) > 1
         draft_s = {}
 
         def time_target(b: int, q: int) -> float:
@@ -151,16 +154,32 @@ class Engine:
                 draft_s.setdefault(b, []).append(propose / (q - 1))
             return verify
 
-        costs = calibrate(time_target, None, batches=batches, qs=qs)
-        if self.proposer is None or max(qs) == 1:
-            return costs
-        draft = tuple(statistics.median(draft_s[b]) for b in batches)
+        time_draft = (lambda b: statistics.median(draft_s[b])) if speculative else None
+        costs = calibrate(time_target, time_draft, batches=batches, qs=qs)  # target first, so draft_s is filled
+        costs = dataclasses.replace(costs, context_len=context_len)
         runner = getattr(self.proposer, "runner", None)
-        per_token = 0.0
-        if runner is not None:
+        if speculative and runner is not None:
             prefill_tokens = min(256, runner.max_len - 1)
             per_token = runner.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
-        return dataclasses.replace(costs, draft_s=draft, draft_prefill_s_per_token=per_token)
+            costs = dataclasses.replace(costs, draft_prefill_s_per_token=per_token)
+        long_context_len = min(long_context_len or 0, self.max_model_len - (steps + 3) * max(qs))
+        if long_context_len > context_len:
+            costs = self._context_slopes(costs, qs, long_context_len, steps, temperature)
+        return costs
+
+    def _context_slopes(self, costs: StepCosts, qs, long_context_len: int, steps: int, temperature: float
+                        ) -> StepCosts:
+        extra = long_context_len - costs.context_len
+        slopes, draft_slopes = [], []
+        for q in qs:
+            verify, propose = self._time_steps(1, q - 1, long_context_len, steps, temperature)
+            slopes.append(max(0.0, verify - costs.target_time(1, q)) / extra)
+            if q > 1 and self.proposer is not None:
+                draft_slopes.append(max(0.0, propose / (q - 1) - costs.draft_time(1)) / extra)
+        return dataclasses.replace(
+            costs, context_slope_s=tuple(slopes),
+            draft_context_slope_s=statistics.median(draft_slopes) if draft_slopes else 0.0,
+        )
 
     def _time_steps(self, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0
                     ) -> tuple[float, float]:
@@ -195,7 +214,9 @@ class Engine:
         if self.proposer is None:
             raise ValueError("adaptive K needs a proposer")
         if costs is None:
-            costs, sampled_costs = self.calibrate(), sampled_costs or self.calibrate(temperature=1.0)
+            long = self.max_model_len // 2
+            costs = self.calibrate(long_context_len=long)
+            sampled_costs = sampled_costs or self.calibrate(temperature=1.0, long_context_len=long)
         self.adaptive = AdaptiveK(
             CostModel(costs), tracker or AcceptanceTracker(), self.proposer.name, topology,
             sampled_cost_model=CostModel(sampled_costs) if sampled_costs else None,
@@ -294,6 +315,8 @@ class Engine:
     def _decode(self, rows: list[_Request], timing: StepTiming) -> None:
         batch = len(rows)
         ks = [self._choose_k(r, batch) for r in rows]
+        if self.adaptive is not None and batch > 1:
+            ks = self._unless_batch_loses(rows, ks)
         t = time.perf_counter()
         proposals = self._propose(rows, ks)
         timing.propose_s = time.perf_counter() - t
@@ -311,10 +334,26 @@ class Engine:
             req.k_state = self.adaptive.choose(
                 req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
                 batch, k, remaining_tokens=req.params.max_new_tokens - len(req.output_ids),
-                catch_up_tokens=len(req.tokens) - req.draft_seen,
+                catch_up_tokens=len(req.tokens) - req.draft_seen, context_len=len(req.tokens),
             )
             k = req.k_state.k
         return req.budget_k(k, self.max_model_len)
+
+    def _unless_batch_loses(self, rows: list[_Request], ks: list[int]) -> list[int]:
+        """Adaptive rows speculate this step only if the whole (padded) batch gains from it."""
+        adaptive = {i for i, r in enumerate(rows) if r.params.adaptive_k and ks[i] > 0}
+        if not adaptive:
+            return ks
+        classes = [self._traffic_class(r) for r in rows]
+        acceptances = [
+            self.adaptive.acceptance(cls, r.stats.accepted, sum(r.stats.proposed_per_position))
+            for cls, r in zip(classes, rows)
+        ]
+        context = max(len(r.tokens) for r in rows)
+        model = self.adaptive.cost_model_for(classes[min(adaptive)], context)
+        if self.adaptive.batch_pays(model, ks, acceptances):
+            return ks
+        return [0 if i in adaptive else k for i, k in enumerate(ks)]
 
     def _propose(self, rows: list[_Request], ks: list[int]) -> list[Proposal]:
         proposals = [Proposal([], None) for _ in rows]

@@ -240,3 +240,16 @@ def test_adaptive_k_hysteresis_keeps_near_ties():
         assert adaptive_k(cm, 1, 0.8, 8, current_k=other) == other
     assert adaptive_k(cm, 1, 0.8, 8, current_k=8, hysteresis=0.0) == best
     assert math.isclose(adaptive_k(cm, 1, 0.8, 2, current_k=5), cm.best_k(1, 0.8, 2).k)
+
+
+def test_context_slopes_price_long_contexts_per_row():
+    costs = StepCosts(batches=(1, 4), qs=(1, 5), target_s=((1.0, 1.5), (2.0, 4.0)), draft_s=(0.3, 0.5),
+                      context_len=64, context_slope_s=(0.001, 0.004), draft_context_slope_s=0.0005)
+    assert costs.at_context(32) is costs  # never cheaper than the measured context
+    long = costs.at_context(564)  # 500 tokens more per row
+    assert [list(r) for r in long.target_s] == [pytest.approx([1.5, 3.5]), pytest.approx([4.0, 12.0])]
+    assert long.draft_s == pytest.approx((0.55, 1.5))
+    assert StepCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    # Verify reads the context K+1 times: long contexts move the break-even towards plain.
+    cm, cm_long = CostModel(costs), CostModel(long)
+    assert cm.best_k(1, 0.8, 4).predicted_speedup > cm_long.best_k(1, 0.8, 4).predicted_speedup
