@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass, temperature_bucket
-from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k, expected_tokens_per_step
-
+from specdec_core.costmodel import PROBE_CEILING, CostModel, StepDrift, adaptive_k, expected_tokens_per_step
 
 CONTEXT_BUCKET = 64  # tokens: adaptive K prices a request at its context rounded up to this
 
@@ -42,6 +41,7 @@ class AdaptiveK:
         # sampler: +15-20% of a batch-1 step here), so sampled traffic may get its own costs.
         self.sampled_cost_model = sampled_cost_model or cost_model
         self._by_context: dict[tuple[bool, int], CostModel] = {}
+        self.drift = StepDrift()  # shared by every cost model below
         self.tracker = tracker
         self.draft_name = draft_name
         self.topology = topology
@@ -59,7 +59,8 @@ class AdaptiveK:
         model = self._by_context.get(key)
         if model is None:
             base = self.cost_model if greedy else self.sampled_cost_model
-            model = self._by_context[key] = CostModel(base.costs.at_context(key[1] * CONTEXT_BUCKET))
+            model = CostModel(base.costs.at_context(key[1] * CONTEXT_BUCKET), drift=self.drift)
+            self._by_context[key] = model
         return model
 
     def acceptance(self, cls: TrafficClass, accepted: int, judged: int) -> float:
@@ -103,6 +104,11 @@ class AdaptiveK:
         else:
             probe_every = state.probe_every
         return KState(k, 0, probe_every)
+
+    def observe_step(self, cls: TrafficClass, context_len: int, batch: int, k: int, seconds: float) -> None:
+        """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
+        model = self.cost_model_for(cls, context_len)
+        self.drift.observe(k, seconds, model.calibrated_step_time(batch, k, self.topology))
 
     def batch_pays(self, model: CostModel, ks: list[int], acceptances: list[float]) -> bool:
         """Does this step's mix of K beat a plain step for the batch as a whole?

@@ -167,6 +167,34 @@ class StepCosts:
         )
 
 
+@dataclass
+class StepDrift:
+    """How far real steps run from the calibration, learnt online, separately for plain and
+    speculative steps (exponential moving average of measured / calibrated).
+
+    A calibration is a few seconds at one moment; on a shared machine plain steps were measured
+    16% cheaper ten minutes later while speculative steps matched, which flipped decisions near
+    break-even. Both factors moving together (the whole machine slower) changes no decision.
+    """
+
+    plain: float = 1.0
+    spec: float = 1.0
+    weight: float = 0.05  # per observed step
+    bounds: tuple[float, float] = (0.5, 2.0)
+
+    def factor(self, k: int) -> float:
+        return self.plain if k == 0 else self.spec
+
+    def observe(self, k: int, measured_s: float, calibrated_s: float) -> None:
+        if calibrated_s <= 0 or measured_s <= 0:
+            return
+        ratio = min(max(measured_s / calibrated_s, self.bounds[0]), self.bounds[1])
+        if k == 0:
+            self.plain += self.weight * (ratio - self.plain)
+        else:
+            self.spec += self.weight * (ratio - self.spec)
+
+
 @dataclass(frozen=True)
 class KChoice:
     """k = 0 means plain decoding beats every K >= 1 at this batch and acceptance."""
@@ -179,6 +207,8 @@ class KChoice:
 @dataclass(frozen=True)
 class CostModel:
     costs: StepCosts
+    # Measured / calibrated step time, learnt while serving (None: the calibration as is).
+    drift: StepDrift | None = field(default=None, compare=False)
     # Step times depend on (batch, K, topology) only; adaptive K asks per request and step, so they
     # are computed once (a grid interpolation per K was ~0.1 ms a request at batch 16).
     _step_times: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -188,6 +218,10 @@ class CostModel:
 
     def spec_step_time(self, batch: float, k: int, topology: str = "colocated") -> float:
         """One speculative step: K draft forwards, one K+1-token verify, the hops (K=0: a plain step)."""
+        t = self.calibrated_step_time(batch, k, topology)
+        return t if self.drift is None else t * self.drift.factor(k)
+
+    def calibrated_step_time(self, batch: float, k: int, topology: str = "colocated") -> float:
         key = (batch, k, topology)
         t = self._step_times.get(key)
         if t is None:

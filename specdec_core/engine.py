@@ -317,6 +317,7 @@ class Engine:
         ks = [self._choose_k(r, batch) for r in rows]
         if self.adaptive is not None and batch > 1:
             ks = self._unless_batch_loses(rows, ks)
+        catch_up = max(len(r.tokens) - r.draft_seen for r in rows)
         t = time.perf_counter()
         proposals = self._propose(rows, ks)
         timing.propose_s = time.perf_counter() - t
@@ -325,6 +326,12 @@ class Engine:
         timing.verify_s = time.perf_counter() - t
         timing.batch = batch
         timing.speculative_rows = sum(1 for p in proposals if p.token_ids)
+        # Steps whose rows all proposed K tokens teach adaptive K how far real steps run from the calibration; a draft's
+        # catch-up prefill (after plain steps) is not a step cost, so such steps are skipped.
+        proposed = {len(p.token_ids) for p in proposals}
+        if self.adaptive is not None and len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
+            self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), batch,
+                                       proposed.pop(), timing.propose_s + timing.verify_s)
 
     def _choose_k(self, req: _Request, batch: int) -> int:
         if req.draft_failed or self.proposer is None:

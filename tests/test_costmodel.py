@@ -11,6 +11,7 @@ from specdec_core.costmodel import (
     CostModel,
     ModelShape,
     StepCosts,
+    StepDrift,
     adaptive_k,
     calibrate,
     expected_tokens_per_step,
@@ -253,3 +254,19 @@ def test_context_slopes_price_long_contexts_per_row():
     # Verify reads the context K+1 times: long contexts move the break-even towards plain.
     cm, cm_long = CostModel(costs), CostModel(long)
     assert cm.best_k(1, 0.8, 4).predicted_speedup > cm_long.best_k(1, 0.8, 4).predicted_speedup
+
+
+def test_step_drift_moves_a_near_break_even_decision():
+    """Calibrated: K=1 edges out plain (8%). Real plain steps then run 20% cheaper than calibrated while
+    speculative steps match: the learnt drift makes plain the better choice; a uniform slowdown of
+    both would not change it."""
+    drift = StepDrift()
+    cm = CostModel(leviathan_costs(0.2), drift=drift)
+    assert cm.best_k(1, 0.3, 4).k > 0
+    for _ in range(200):
+        drift.observe(0, 0.8, cm.calibrated_step_time(1, 0))
+        drift.observe(1, cm.calibrated_step_time(1, 1), cm.calibrated_step_time(1, 1))
+    assert drift.plain == pytest.approx(0.8, abs=0.01) and drift.spec == pytest.approx(1.0)
+    assert cm.best_k(1, 0.3, 4).k == 0
+    uniform = StepDrift(plain=1.5, spec=1.5)
+    assert CostModel(leviathan_costs(0.2), drift=uniform).best_k(1, 0.3, 4).k == CostModel(leviathan_costs(0.2)).best_k(1, 0.3, 4).k
