@@ -174,15 +174,22 @@ class StepDrift:
 
     A calibration is a few seconds at one moment; on a shared machine plain steps were measured
     16% cheaper ten minutes later while speculative steps matched, which flipped decisions near
-    break-even. Both factors moving together (the whole machine slower) changes no decision.
+    break-even. Only the two factors' difference changes a decision, so they apply once both
+    kinds of step have been seen ``min_steps`` times: a drift learnt on one side alone would
+    make that side look cheaper than the other for no measured reason.
     """
 
     plain: float = 1.0
     spec: float = 1.0
+    plain_steps: int = 0
+    spec_steps: int = 0
     weight: float = 0.05  # per observed step
+    min_steps: int = 20
     bounds: tuple[float, float] = (0.5, 2.0)
 
     def factor(self, k: int) -> float:
+        if min(self.plain_steps, self.spec_steps) < self.min_steps:
+            return 1.0
         return self.plain if k == 0 else self.spec
 
     def observe(self, k: int, measured_s: float, calibrated_s: float) -> None:
@@ -191,8 +198,10 @@ class StepDrift:
         ratio = min(max(measured_s / calibrated_s, self.bounds[0]), self.bounds[1])
         if k == 0:
             self.plain += self.weight * (ratio - self.plain)
+            self.plain_steps += 1
         else:
             self.spec += self.weight * (ratio - self.spec)
+            self.spec_steps += 1
 
 
 @dataclass(frozen=True)

@@ -268,5 +268,9 @@ def test_step_drift_moves_a_near_break_even_decision():
         drift.observe(1, cm.calibrated_step_time(1, 1), cm.calibrated_step_time(1, 1))
     assert drift.plain == pytest.approx(0.8, abs=0.01) and drift.spec == pytest.approx(1.0)
     assert cm.best_k(1, 0.3, 4).k == 0
+    one_sided = StepDrift()
+    for _ in range(200):  # only plain steps seen: no evidence about speculation's relative cost
+        one_sided.observe(0, 0.8, 1.0)
+    assert one_sided.factor(0) == one_sided.factor(3) == 1.0
     uniform = StepDrift(plain=1.5, spec=1.5)
     assert CostModel(leviathan_costs(0.2), drift=uniform).best_k(1, 0.3, 4).k == CostModel(leviathan_costs(0.2)).best_k(1, 0.3, 4).k
