@@ -128,19 +128,12 @@ def _params(cell: Cell, mode: str, seed: int) -> SamplingParams:
     )
 
 
-def run_mode(engine: Engine, cell: Cell, prompts: list[list[int]], mode: str) -> tuple[float, float, list]:
-    """Generate for every prompt in batches of ``cell.batch``; return (tokens/s, ms/token/request, outputs)."""
-    outs, wall = [], 0.0
-    for start in range(0, len(prompts), cell.batch):
-        group = prompts[start : start + cell.batch]
-        params = [_params(cell, mode, seed=1000 + start + i) for i in range(len(group))]
-        t0 = time.perf_counter()
-        outs += engine.generate(group, params=params)
-        wall += time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    groups = -(-len(prompts) // cell.batch)
-    per_request_tokens = tokens / len(prompts)
-    return tokens / wall, 1000 * wall / groups / per_request_tokens, outs
+def run_group(engine: Engine, cell: Cell, group: list[list[int]], mode: str, seed_base: int) -> tuple[float, list]:
+    """Generate one batch of prompts in one mode; return (wall seconds, outputs)."""
+    params = [_params(cell, mode, seed=seed_base + i) for i in range(len(group))]
+    t0 = time.perf_counter()
+    outs = engine.generate(group, params=params)
+    return time.perf_counter() - t0, outs
 
 
 def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tuple[float, float]:
@@ -185,20 +178,27 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     prompts = [engine.encode(p)[-cap:] for p in prompts]
     prompt_len = int(statistics.mean(len(p) for p in prompts))
     for mode in MODES:  # warm-up: caches, allocator, and auto's acceptance statistics
-        run_mode(engine, cell, prompts[: cell.batch], mode)
+        run_group(engine, cell, prompts[: cell.batch], mode, seed_base=1000)
     tok_s = {m: [] for m in MODES}
     ms_tok = {m: [] for m in MODES}
-    spec_outs, auto_outs = [], []
+    outs_by_mode = {m: [] for m in MODES}
+    groups = [prompts[start : start + cell.batch] for start in range(0, len(prompts), cell.batch)]
     for rep in range(reps):
-        order = MODES[rep % 3 :] + MODES[: rep % 3]  # rotate so no mode always runs first
-        for mode in order:
-            rate, latency, outs = run_mode(engine, cell, prompts, mode)
-            tok_s[mode].append(rate)
-            ms_tok[mode].append(latency)
-            if mode == "spec":
-                spec_outs += outs
-            elif mode == "auto":
-                auto_outs += outs
+        wall, tokens = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0)
+        # Modes take turns group by group (order rotating), so the machine's drift over a cell
+        # (other tenants, clocks) falls on all three alike instead of on whichever ran last.
+        for g, group in enumerate(groups):
+            shift = (rep + g) % len(MODES)
+            for mode in MODES[shift:] + MODES[:shift]:
+                seconds, outs = run_group(engine, cell, group, mode, seed_base=1000 + g * cell.batch)
+                wall[mode] += seconds
+                tokens[mode] += sum(len(o.token_ids) for o in outs)
+                outs_by_mode[mode] += outs
+        for mode in MODES:
+            tok_s[mode].append(tokens[mode] / wall[mode])
+            # per request: its group's wall time over its tokens
+            ms_tok[mode].append(1000 * wall[mode] / len(groups) / (tokens[mode] / len(prompts)))
+    spec_outs, auto_outs = outs_by_mode["spec"], outs_by_mode["auto"]
     acceptance = judged_acceptance(spec_outs)
     predicted, ratio = predict(engine, cell, spec_outs, prompt_len)
     med = {m: statistics.median(v) for m, v in tok_s.items()}
@@ -239,7 +239,7 @@ def run_regimes(args) -> dict:
     cells = build_cells(args.quick, args.k)
     if args.only:
         cells = [c for c in cells if c.regime in args.only or c.draft in args.only]
-    reps = args.reps or (2 if args.quick else 3)
+    reps = args.reps or (2 if args.quick else 5)
     pool = EnginePool(models_dir, max_batch=max(c.batch for c in cells))
     results = []
     for cell in tqdm(cells, desc="regime cells", unit="cell"):

@@ -16,6 +16,7 @@ from specdec_core.acceptance import AcceptanceTracker, TrafficClass, temperature
 from specdec_core.costmodel import PROBE_CEILING, CostModel, StepDrift, adaptive_k, expected_tokens_per_step
 
 CONTEXT_BUCKET = 64  # tokens: adaptive K prices a request at its context rounded up to this
+PROBE_BUDGET = 0.05  # share of a request's remaining decode time a probe's draft catch-up may take
 
 
 @dataclass
@@ -76,7 +77,8 @@ class AdaptiveK:
         emitted during plain steps later. Speculation starts (or a probe runs) only if its saving
         over the remaining tokens can pay the draft's catch-up prefill (the prefill-heavy and
         long-context regimes); on the first step the saving is priced at the acceptance estimate,
-        for a probe at ``PROBE_CEILING`` (could it pay if acceptance were back?).
+        for a probe at ``PROBE_CEILING`` (could it pay if acceptance were back?) and within
+        ``PROBE_BUDGET``.
         """
         a = self.acceptance(cls, accepted, judged)
         model = self.cost_model_for(cls, context_len)
@@ -88,8 +90,8 @@ class AdaptiveK:
             model, batch, a, k_max, state.k, state.steps_at_current, self.topology,
             probe_every=state.probe_every,
         )
-        if state.k == 0 and k > 0 and not self._pays_for_catch_up(
-            model, batch, max(a, PROBE_CEILING), k_max, remaining_tokens, catch_up_tokens
+        if state.k == 0 and k > 0 and not self._probe_affordable(
+            model, batch, a, k_max, remaining_tokens, catch_up_tokens
         ):
             k = 0
         if k == state.k:
@@ -126,6 +128,18 @@ class AdaptiveK:
         step = costs.target_time(batch, widest + 1) + widest * costs.draft_time(spec_rows) + costs.hop(self.topology)
         tokens = sum(expected_tokens_per_step(a, k) for a, k in zip(acceptances, ks))  # E_0 = 1: plain rows
         return tokens / step > batch / model.plain_time_per_token(batch)
+
+    def _probe_affordable(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,
+                          catch_up_tokens: int) -> bool:
+        """Leaving K=0 makes the draft catch up on everything it skipped. Worth it only if that
+        prefill would pay off were acceptance back, and (whether it is back is unknown) if it costs
+        at most ``PROBE_BUDGET`` of the request's remaining plain decode time: after the plain
+        steps of a long prompt the catch-up was ~30 ms against ~165 ms left."""
+        catch_up_s = catch_up_tokens * model.costs.draft_prefill_s_per_token * batch
+        budget = PROBE_BUDGET * remaining_tokens * model.plain_time_per_token(batch)
+        return catch_up_s <= budget and self._pays_for_catch_up(
+            model, batch, max(a, PROBE_CEILING), k_max, remaining_tokens, catch_up_tokens
+        )
 
     def _pays_for_catch_up(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,
                            catch_up_tokens: int) -> bool:

@@ -114,3 +114,18 @@ def test_probe_waits_when_the_draft_catch_up_cannot_pay():
     kw = dict(accepted=0, judged=400, batch=1, k_max=8, remaining_tokens=8)
     assert policy.choose(state, cls, catch_up_tokens=600, **kw).k == 0
     assert policy.choose(state, cls, catch_up_tokens=2, **kw).k == 1
+
+
+def test_probe_after_a_long_prompt_stays_within_budget():
+    """The draft skipped a 550-token prompt: a probe would spend more than PROBE_BUDGET of the
+    remaining decode time on the catch-up even though it could pay off at acceptance 0.95."""
+    costs = StepCosts(batches=COSTS.batches, qs=COSTS.qs, target_s=COSTS.target_s, draft_s=COSTS.draft_s,
+                      draft_prefill_s_per_token=5e-5)
+    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    cls = policy.traffic_class(0.0, "default")
+    state = KState(0, steps_at_current=10, probe_every=4)
+    kw = dict(accepted=0, judged=400, batch=1, k_max=8, remaining_tokens=48)
+    assert policy.choose(state, cls, catch_up_tokens=16, **kw).k == 1  # 0.8 ms of ~900 ms: probe
+    # 200 ms: would pay off at acceptance 0.95 (~0.5 s saved), but is over 5% of the ~0.9 s left
+    assert policy._pays_for_catch_up(policy.cost_model, 1, 0.95, 8, 48, 4000)
+    assert policy.choose(state, cls, catch_up_tokens=4000, **kw).k == 0
