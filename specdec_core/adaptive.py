@@ -5,7 +5,10 @@ leaving its replica, and climbs back when a probe shows acceptance has returned.
 Per step, a request's acceptance a is its own judged evidence (accepted / judged positions, the
 unbiased estimator of ``acceptance.py``) shrunk towards its traffic class's estimate, which acts
 as a prior of ``prior_weight`` tokens; the choice itself is ``costmodel.adaptive_k`` (goodput-
-optimal K under E_K(a) = (1 - a^(K+1)) / (1 - a), Leviathan et al. 2023, with hysteresis).
+optimal K under E_K(a) = (1 - a^(K+1)) / (1 - a), Leviathan et al. 2023, with hysteresis),
+priced by the costs of the request's sampling path at its context length, corrected by the drift
+of real steps from the calibration (``StepDrift``). A ragged batch is padded to its widest row,
+so the engine lets a step speculate only if the whole batch gains (``batch_pays``).
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ class AdaptiveK:
     def observe_step(self, cls: TrafficClass, context_len: int, batch: int, k: int, seconds: float) -> None:
         """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
         model = self.cost_model_for(cls, context_len)
-        self.drift.observe(k, seconds, model.calibrated_step_time(batch, k, self.topology))
+        self.drift.observe(k, seconds, model.calibrated_step_time(batch, k, self.topology), batch)
 
     def batch_pays(self, model: CostModel, ks: list[int], acceptances: list[float]) -> bool:
         """Does this step's mix of K beat a plain step for the batch as a whole?

@@ -27,6 +27,7 @@ speculative replica from the same model. Pure: no I/O, no torch.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -168,40 +169,53 @@ class StepCosts:
 
 
 @dataclass
-class StepDrift:
-    """How far real steps run from the calibration, learnt online, separately for plain and
-    speculative steps (exponential moving average of measured / calibrated).
-
-    A calibration is a few seconds at one moment; on a shared machine plain steps were measured
-    16% cheaper ten minutes later while speculative steps matched, which flipped decisions near
-    break-even. Only the two factors' difference changes a decision, so they apply once both
-    kinds of step have been seen ``min_steps`` times: a drift learnt on one side alone would
-    make that side look cheaper than the other for no measured reason.
-    """
-
+class _Drift:
     plain: float = 1.0
     spec: float = 1.0
     plain_steps: int = 0
     spec_steps: int = 0
+
+
+@dataclass
+class StepDrift:
+    """How far real steps run from the calibration, learnt online per batch-size bucket (powers of
+    two), separately for plain and speculative steps (moving average of measured / calibrated).
+
+    A calibration is a few seconds at one moment; on a shared machine plain steps were measured
+    16% cheaper ten minutes later while speculative steps matched, which flipped decisions near
+    break-even. Per batch bucket, because the error of a calibration interpolated between grid
+    batches depends on the batch: a factor learnt at batch 1 made speculation look cheap at batch
+    16. Only the two factors' difference changes a decision, so they apply once both kinds of
+    step have been seen ``min_steps`` times in the bucket: a drift learnt on one side alone would
+    make that side look cheaper than the other for no measured reason.
+    """
+
     weight: float = 0.05  # per observed step
     min_steps: int = 20
     bounds: tuple[float, float] = (0.5, 2.0)
+    buckets: dict[int, _Drift] = field(default_factory=dict)
 
-    def factor(self, k: int) -> float:
-        if min(self.plain_steps, self.spec_steps) < self.min_steps:
+    @staticmethod
+    def bucket(batch: float) -> int:
+        return max(0, math.ceil(math.log2(max(batch, 1.0))))
+
+    def factor(self, k: int, batch: float = 1) -> float:
+        d = self.buckets.get(self.bucket(batch))
+        if d is None or min(d.plain_steps, d.spec_steps) < self.min_steps:
             return 1.0
-        return self.plain if k == 0 else self.spec
+        return d.plain if k == 0 else d.spec
 
-    def observe(self, k: int, measured_s: float, calibrated_s: float) -> None:
+    def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1) -> None:
         if calibrated_s <= 0 or measured_s <= 0:
             return
+        d = self.buckets.setdefault(self.bucket(batch), _Drift())
         ratio = min(max(measured_s / calibrated_s, self.bounds[0]), self.bounds[1])
         if k == 0:
-            self.plain += self.weight * (ratio - self.plain)
-            self.plain_steps += 1
+            d.plain += self.weight * (ratio - d.plain)
+            d.plain_steps += 1
         else:
-            self.spec += self.weight * (ratio - self.spec)
-            self.spec_steps += 1
+            d.spec += self.weight * (ratio - d.spec)
+            d.spec_steps += 1
 
 
 @dataclass(frozen=True)
@@ -228,7 +242,7 @@ class CostModel:
     def spec_step_time(self, batch: float, k: int, topology: str = "colocated") -> float:
         """One speculative step: K draft forwards, one K+1-token verify, the hops (K=0: a plain step)."""
         t = self.calibrated_step_time(batch, k, topology)
-        return t if self.drift is None else t * self.drift.factor(k)
+        return t if self.drift is None else t * self.drift.factor(k, batch)
 
     def calibrated_step_time(self, batch: float, k: int, topology: str = "colocated") -> float:
         key = (batch, k, topology)

@@ -54,7 +54,13 @@ class _Request(RequestState):
         self.generator = generator
         self.draft_failed = False
         self.k_state: KState | None = None  # adaptive K of this request
-        self.draft_seen = 0  # history length at the last proposal: the draft has cached about this much
+        self.draft_seen = 0  # history length the draft has fed (its proposals count until rejected)
+
+    @property
+    def draft_catch_up(self) -> int:
+        """Tokens the draft must feed before it can propose: one after a speculative step (the
+        recovered or bonus token), every token emitted since then after plain steps."""
+        return max(1, len(self.tokens) - self.draft_seen)
 
 
 class Engine:
@@ -317,7 +323,7 @@ class Engine:
         ks = [self._choose_k(r, batch) for r in rows]
         if self.adaptive is not None and batch > 1:
             ks = self._unless_batch_loses(rows, ks)
-        catch_up = max(len(r.tokens) - r.draft_seen for r in rows)
+        catch_up = max(r.draft_catch_up for r in rows)
         t = time.perf_counter()
         proposals = self._propose(rows, ks)
         timing.propose_s = time.perf_counter() - t
@@ -341,7 +347,7 @@ class Engine:
             req.k_state = self.adaptive.choose(
                 req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
                 batch, k, remaining_tokens=req.params.max_new_tokens - len(req.output_ids),
-                catch_up_tokens=len(req.tokens) - req.draft_seen, context_len=len(req.tokens),
+                catch_up_tokens=req.draft_catch_up, context_len=len(req.tokens),
             )
             k = req.k_state.k
         return req.budget_k(k, self.max_model_len)
@@ -368,7 +374,7 @@ class Engine:
         if not spec:
             return proposals
         for i in spec:
-            rows[i].draft_seen = len(rows[i].tokens)
+            rows[i].draft_seen = len(rows[i].tokens) + ks[i]
         requests = [
             ProposalRequest(
                 rows[i].request_id, rows[i].tokens, ks[i],

@@ -257,20 +257,23 @@ def test_context_slopes_price_long_contexts_per_row():
 
 
 def test_step_drift_moves_a_near_break_even_decision():
-    """Calibrated: K=1 edges out plain (8%). Real plain steps then run 20% cheaper than calibrated while
-    speculative steps match: the learnt drift makes plain the better choice; a uniform slowdown of
-    both would not change it."""
+    """Calibrated: K=1 edges out plain (8%). Real plain steps then run 20% cheaper than calibrated
+    while speculative steps match: the learnt drift makes plain the better choice at that batch,
+    and only there; a uniform slowdown of both changes nothing, nor does one side alone."""
     drift = StepDrift()
     cm = CostModel(leviathan_costs(0.2), drift=drift)
     assert cm.best_k(1, 0.3, 4).k > 0
     for _ in range(200):
-        drift.observe(0, 0.8, cm.calibrated_step_time(1, 0))
-        drift.observe(1, cm.calibrated_step_time(1, 1), cm.calibrated_step_time(1, 1))
-    assert drift.plain == pytest.approx(0.8, abs=0.01) and drift.spec == pytest.approx(1.0)
+        drift.observe(0, 0.8, cm.calibrated_step_time(1, 0), batch=1)
+        drift.observe(1, cm.calibrated_step_time(1, 1), cm.calibrated_step_time(1, 1), batch=1)
+    assert drift.factor(0, 1) == pytest.approx(0.8, abs=0.01) and drift.factor(1, 1) == pytest.approx(1.0)
     assert cm.best_k(1, 0.3, 4).k == 0
+    assert cm.best_k(16, 0.3, 4).k > 0  # another batch bucket: nothing learnt there
+    uniform = StepDrift()
     one_sided = StepDrift()
-    for _ in range(200):  # only plain steps seen: no evidence about speculation's relative cost
-        one_sided.observe(0, 0.8, 1.0)
+    for _ in range(200):
+        uniform.observe(0, 1.5, 1.0)
+        uniform.observe(2, 1.5, 1.0)
+        one_sided.observe(0, 0.8, 1.0)  # only plain steps seen: no evidence about speculation
+    assert CostModel(leviathan_costs(0.2), drift=uniform).best_k(1, 0.3, 4).k == cm.best_k(16, 0.3, 4).k
     assert one_sided.factor(0) == one_sided.factor(3) == 1.0
-    uniform = StepDrift(plain=1.5, spec=1.5)
-    assert CostModel(leviathan_costs(0.2), drift=uniform).best_k(1, 0.3, 4).k == CostModel(leviathan_costs(0.2)).best_k(1, 0.3, 4).k
