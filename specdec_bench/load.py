@@ -14,6 +14,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 from tqdm import tqdm
@@ -112,7 +113,8 @@ def run_serve(args) -> dict:
             tqdm.write(f"{mode:10s} rate={rate} tput {res['throughput_tok_s']:.1f} tok/s  TTFT p50 "
                        f"{res['ttft_ms']['p50']:.0f} ms  ITL p50 {res['itl_ms']['p50']:.1f} ms  "
                        f"acc {res['acceptance_rate']:.2f}  errors {res['errors']}")
-    return {"machine": machine_facts(0), "config": {k: v for k, v in vars(args).items() if k != "func"},
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
+    return {"machine": machine_facts(0), "config": config,
             "passes": passes}
 
 

@@ -514,3 +514,18 @@ def test_gather_without_workaround_hangs_in_ray_2_60(server):
     # the router recovers: the same probe with the workaround works right after
     ok = server["router"].probe_sessions.remote("target", [f"canary-{i}" for i in range(4)]).result(timeout_s=60)
     assert len(ok["placement"]) == 4
+
+
+def test_serve_load_generator_writes_its_report(server, tmp_path):
+    """`specdec-bench serve` against the live app: one pass per mode, every request served."""
+    from specdec_bench.cli import main
+
+    main(["serve", "--url", server["url"], "--out", str(tmp_path), "--requests", "3", "--max-tokens", "8",
+          "--modes", "plain", "colocated"])
+    data = json.loads((tmp_path / "serve.json").read_text())
+    assert [p["mode"] for p in data["passes"]] == ["plain", "colocated"]
+    for p in data["passes"]:
+        assert p["requests"] == 3 and p["errors"] == 0 and p["throughput_tok_s"] > 0, p
+        assert p["ttft_ms"]["p50"] > 0
+    assert data["config"]["out"] == str(tmp_path)
+    assert "| plain |" in (tmp_path / "serve.md").read_text()
