@@ -174,6 +174,7 @@ class _Drift:
     spec: float = 1.0
     plain_steps: int = 0
     spec_steps: int = 0
+    outliers: int = 0  # observations off the calibration by more than the bounds
 
 
 @dataclass
@@ -187,7 +188,9 @@ class StepDrift:
     batches depends on the batch: a factor learnt at batch 1 made speculation look cheap at batch
     16. Only the two factors' difference changes a decision, so they apply once both kinds of
     step have been seen ``min_steps`` times in the bucket: a drift learnt on one side alone would
-    make that side look cheaper than the other for no measured reason.
+    make that side look cheaper than the other for no measured reason. Steps off by more than
+    ``bounds`` are not drift but a calibration of other hardware (or a synthetic one): if they
+    are more than a tenth of a bucket's steps, the bucket keeps the calibration as it is.
     """
 
     weight: float = 0.05  # per observed step
@@ -203,13 +206,18 @@ class StepDrift:
         d = self.buckets.get(self.bucket(batch))
         if d is None or min(d.plain_steps, d.spec_steps) < self.min_steps:
             return 1.0
+        if d.outliers > 0.1 * (d.plain_steps + d.spec_steps + d.outliers):
+            return 1.0
         return d.plain if k == 0 else d.spec
 
     def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1) -> None:
         if calibrated_s <= 0 or measured_s <= 0:
             return
         d = self.buckets.setdefault(self.bucket(batch), _Drift())
-        ratio = min(max(measured_s / calibrated_s, self.bounds[0]), self.bounds[1])
+        ratio = measured_s / calibrated_s
+        if not self.bounds[0] <= ratio <= self.bounds[1]:
+            d.outliers += 1
+            return
         if k == 0:
             d.plain += self.weight * (ratio - d.plain)
             d.plain_steps += 1

@@ -277,3 +277,8 @@ def test_step_drift_moves_a_near_break_even_decision():
         one_sided.observe(0, 0.8, 1.0)  # only plain steps seen: no evidence about speculation
     assert CostModel(leviathan_costs(0.2), drift=uniform).best_k(1, 0.3, 4).k == cm.best_k(16, 0.3, 4).k
     assert one_sided.factor(0) == one_sided.factor(3) == 1.0
+    foreign = StepDrift()
+    for _ in range(200):  # a calibration 10x off: another machine's, not drift
+        foreign.observe(0, 0.1, 1.0)
+        foreign.observe(2, 0.12, 1.0)
+    assert foreign.factor(0) == foreign.factor(2) == 1.0
