@@ -140,28 +140,29 @@ def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tup
     """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole requests.
 
     Decode costs are calibrated through the engine's own step phases at the cell's batch, context
-    and temperature (on a synthetic prompt; sampling costs more per step than greedy). The traffic enters through what the speculative runs
-    measured: the per-token acceptance a, the mean number of tokens actually proposed per verify
-    step k (the n-gram proposer, or the end of a request, proposes fewer than K) and the share f
-    of decode steps that verified anything:
-        t_spec = [f (k t_D + t_T(k+1)) + (1 - f) t_T(1)] / [f E_k(a) + (1 - f)]
+    and temperature (on a synthetic prompt; sampling costs more per step than greedy). The traffic
+    enters through what the speculative runs measured: the per-token acceptance a and how many
+    decode steps proposed k tokens, n_k (k = 0: a plain step; the n-gram proposer, or the end of a
+    request, proposes fewer than K):
+        t_spec = sum_k n_k (k t_D + t_T(k+1)) / sum_k n_k E_k(a)
+    Pricing every step at the mean proposal length instead overestimated the n-gram cell by 20%:
+    E_k(a) is concave in k.
     A request also pays the target's prefill, and with speculation the draft's prefill, which
     short outputs cannot amortise (prefill-heavy).
     """
     acceptance = judged_acceptance(spec_outs)
-    verify = sum(o.stats.verify_steps for o in spec_outs)
-    plain_steps = sum(o.stats.plain_steps for o in spec_outs)
-    k_mean = sum(o.stats.proposed for o in spec_outs) / verify if verify else 0.0
-    share = verify / (verify + plain_steps) if verify + plain_steps else 0.0
+    steps_by_k = {}
+    for o in spec_outs:
+        for k, n in enumerate(o.stats.proposal_lengths):
+            steps_by_k[k] = steps_by_k.get(k, 0) + n
     context_len = prompt_len + cell.max_new_tokens // 2
     costs = engine.calibrate(batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})), context_len=context_len,
                              temperature=cell.temperature)
     model = CostModel(costs)
     t_plain = model.plain_time_per_token(cell.batch)
-    spec_step = k_mean * costs.draft_time(cell.batch) + costs.target_time(cell.batch, k_mean + 1)
-    t_spec = (share * spec_step + (1 - share) * t_plain) / (
-        share * expected_tokens_per_step(acceptance, k_mean) + (1 - share)
-    )
+    step_time = sum(n * model.spec_step_time(cell.batch, k) for k, n in steps_by_k.items())
+    tokens = sum(n * expected_tokens_per_step(acceptance, k) for k, n in steps_by_k.items())
+    t_spec = step_time / tokens if tokens else t_plain
     target_prefill = engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2)
     draft_prefill = costs.draft_prefill_s_per_token * prompt_len * cell.batch
     decode = cell.max_new_tokens - 1  # the first token comes from the target's prefill

@@ -161,16 +161,24 @@ class Engine:
             return verify
 
         time_draft = (lambda b: statistics.median(draft_s[b])) if speculative else None
-        costs = calibrate(time_target, time_draft, batches=batches, qs=qs)  # target first, so draft_s is filled
-        costs = dataclasses.replace(costs, context_len=context_len)
-        runner = getattr(self.proposer, "runner", None)
+        proposer = self.proposer
+        if speculative and not proposer.proposes_full_k:
+            # A lookup finds no match in the synthetic prompt's continuation and would propose
+            # nothing, so the "K+1" verifies would be plain steps: time full-width verifies instead.
+            self.proposer = _FullWidthProposer()
+        try:
+            costs = calibrate(time_target, time_draft, batches=batches, qs=qs)  # target first: draft_s filled
+            costs = dataclasses.replace(costs, context_len=context_len)
+            long_context_len = min(long_context_len or 0, self.max_model_len - (steps + 3) * max(qs))
+            if long_context_len > context_len:
+                costs = self._context_slopes(costs, qs, long_context_len, steps, temperature)
+        finally:
+            self.proposer = proposer
+        runner = getattr(proposer, "runner", None)
         if speculative and runner is not None:
             prefill_tokens = min(256, runner.max_len - 1)
             per_token = runner.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
             costs = dataclasses.replace(costs, draft_prefill_s_per_token=per_token)
-        long_context_len = min(long_context_len or 0, self.max_model_len - (steps + 3) * max(qs))
-        if long_context_len > context_len:
-            costs = self._context_slopes(costs, qs, long_context_len, steps, temperature)
         return costs
 
     def _context_slopes(self, costs: StepCosts, qs, long_context_len: int, steps: int, temperature: float
@@ -479,6 +487,24 @@ class Engine:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+
+class _FullWidthProposer:
+    """Calibration stand-in for a proposer that may propose fewer than K tokens: exactly K copies
+    of the last token, at ~0 cost (like a lookup's). Verify cost does not depend on which tokens
+    are proposed."""
+
+    name = "calibration"
+    proposes_full_k = True
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        return [Proposal([r.token_ids[-1]] * r.k, None) for r in requests]
+
+    def release(self, seq_id: str) -> None:
+        return None
+
+    def num_sequences(self) -> int:
+        return 0
 
 
 def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:

@@ -21,6 +21,7 @@ class RequestStats:
     plain_steps: int = 0  # target passes without draft tokens
     proposed_per_position: list[int] = field(default_factory=list)  # [K] how often position i was judged
     accepted_per_position: list[int] = field(default_factory=list)  # [K] how often position i was accepted
+    proposal_lengths: list[int] = field(default_factory=list)  # [K+1] steps by tokens proposed (0 = plain)
     prefill_s: float = 0.0  # target prefill, including queueing in its step
     decode_s: float = 0.0  # sum of the wall times of the steps this request took part in
     first_token_s: float = 0.0  # from arrival to the first emitted token
@@ -36,6 +37,9 @@ class RequestStats:
 
     def record_verify(self, num_proposed: int, num_accepted: int) -> None:
         """One verify step: positions 0..num_accepted were judged (the first rejection ends the step)."""
+        while len(self.proposal_lengths) <= num_proposed:
+            self.proposal_lengths.append(0)
+        self.proposal_lengths[num_proposed] += 1
         if num_proposed == 0:
             self.plain_steps += 1
             return
@@ -62,6 +66,7 @@ class RequestStats:
             "plain_steps": self.plain_steps,
             "accepted_per_position": list(self.accepted_per_position),
             "proposed_per_position": list(self.proposed_per_position),
+            "proposal_lengths": list(self.proposal_lengths),
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "first_token_s": self.first_token_s,

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from specdec_core import AcceptanceTracker, AdaptiveK, CostModel, Engine, StepCosts
+from specdec_core import AcceptanceTracker, AdaptiveK, CostModel, Engine, NgramProposer, StepCosts
 from specdec_core.adaptive import KState
 
 # Synthetic costs shaped like DESIGN.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
@@ -129,3 +129,13 @@ def test_probe_after_a_long_prompt_stays_within_budget():
     # 200 ms: would pay off at acceptance 0.95 (~0.5 s saved), but is over 5% of the ~0.9 s left
     assert policy._pays_for_catch_up(policy.cost_model, 1, 0.95, 8, 48, 4000)
     assert policy.choose(state, cls, catch_up_tokens=4000, **kw).k == 0
+
+
+def test_ngram_calibration_times_full_width_verifies(tiny_models):
+    """The lookup finds nothing to propose on the synthetic prompt's continuation; calibration must
+    still time K+1-token verifies, not plain steps labelled K+1."""
+    eng = Engine.from_pretrained(tiny_models["target"], proposer="ngram", max_model_len=256)
+    costs = eng.calibrate(batches=(1,), qs=(1, 9), steps=5)
+    # measured here: ~1.8x with full-width verifies, ~1.03x when the lookup proposes nothing
+    assert costs.target_s[0][1] > 1.3 * costs.target_s[0][0]
+    assert isinstance(eng.proposer, NgramProposer)  # restored

@@ -37,6 +37,7 @@ class Proposal:
 
 class Proposer(Protocol):
     name: str
+    proposes_full_k: bool  # always exactly K tokens (a draft model), or possibly fewer (a lookup)
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]: ...
 

@@ -19,6 +19,8 @@ from specdec_core.slots import SequenceSlots
 
 
 class DraftModelProposer:
+    proposes_full_k = True
+
     def __init__(self, runner: ModelRunner, name: str = "draft"):
         self.runner = runner
         self.name = name

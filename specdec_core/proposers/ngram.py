@@ -13,6 +13,7 @@ from specdec_core.proposers.base import Proposal, ProposalRequest
 
 class NgramProposer:
     name = "ngram"
+    proposes_full_k = False  # only as many tokens as followed the match
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
