@@ -120,7 +120,8 @@ class StepCosts:
             self,
             target_s=tuple(tuple(t + b * extra * s for t, s in zip(row, slopes))
                            for b, row in zip(self.batches, self.target_s)),
-            draft_s=tuple(t + b * extra * self.draft_context_slope_s for b, t in zip(self.batches, self.draft_s)),
+            draft_s=tuple(t + b * extra * self.draft_context_slope_s
+                          for b, t in zip(self.batches, self.draft_s)),
             context_len=context_len,
         )
 

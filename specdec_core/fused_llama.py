@@ -52,7 +52,9 @@ class FusedLlamaLayers:
             share_weight(gate_up, (mlp.gate_proj, mlp.up_proj))
             share_weight(o_proj, (attn.o_proj,))
             share_weight(down, (mlp.down_proj,))
-            self.layers.append((layer.input_layernorm.weight, qkv, o_proj, layer.post_attention_layernorm.weight, gate_up, down))
+            self.layers.append((
+                layer.input_layernorm.weight, qkv, o_proj, layer.post_attention_layernorm.weight, gate_up, down,
+            ))
 
     def __call__(self, hidden, pos_emb, mask, cache):
         # hidden: [B, Q, H]; pos_emb: (cos, sin) each [B, Q, head_dim]; mask: [B, 1, Q, kv_len] bool
