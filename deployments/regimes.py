@@ -27,7 +27,7 @@ from autoscaling.routing import (
     route,
 )
 from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
-from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.costmodel import CostModel, StepCosts, StepDrift
 
 POOLS = ("plain", "colocated", "separate")
 
@@ -101,7 +101,9 @@ class RouteState:
     def set_costs(self, costs: StepCosts, source: str | None = None) -> None:
         self.costs = with_hops(costs, self.separate_hop_s)
         self.costs_source = source or costs.source
-        self.cost_model = CostModel(self.costs)
+        # What served requests measure against these costs (new costs: nothing learnt yet).
+        self.drift = StepDrift()
+        self.cost_model = CostModel(self.costs, drift=self.drift)
 
     @property
     def calibrated(self) -> bool:
@@ -152,6 +154,19 @@ class RouteState:
         if sum(judged):
             self.tracker.observe_request(cls, judged, stats.get("accepted_per_position") or [0] * len(judged),
                                          int(stats.get("verify_steps") or 1))
+
+    def observe_timing(self, pool: str, batch: int, stats: Mapping, seconds_per_token: float) -> None:
+        """A finished request's measured decode time per token against the step the cost model
+        priced, learnt per batch bucket for plain and for co-located speculative steps
+        (``StepDrift``). The calibration times engine steps; a served step also pays the replica's
+        loop and streaming, which a speculative step spreads over several tokens, so served
+        speculation can pay where the engine-step costs say it does not."""
+        verify, plain_steps = int(stats.get("verify_steps") or 0), int(stats.get("plain_steps") or 0)
+        if pool not in ("plain", "colocated") or seconds_per_token <= 0 or (verify and plain_steps):
+            return  # the separate loop pays hops; a request that changed K has no single step shape
+        k = round(stats["proposed_tokens"] / verify) if verify else 0
+        measured = seconds_per_token * (float(stats.get("mean_acceptance_length") or 1.0) if verify else 1.0)
+        self.drift.observe(k, measured, self.cost_model.calibrated_step_time(batch, k), batch)
 
     def realised_speedup(self, batch: int, seconds_per_token: float) -> float | None:
         """Plain step time per token at this batch (the cost model) / the request's measured decode

@@ -525,7 +525,7 @@ class Router:
         self.metrics.set_running(pool, self._active[pool])
         self.metrics.routed(pool, d.k, d.regime, plan.requested_mode, d.predicted_speedup)
         t0, last = time.perf_counter(), None
-        t_first, n_first, n_out = None, 0, 0
+        t_first, n_first, n_out, per_token = None, 0, 0, 0.0
         try:
             if pool == "separate":
                 gen = self._run_separate(plan)
@@ -549,6 +549,8 @@ class Router:
             try:
                 self.metrics.set_running(pool, self._active[pool])
                 stats = last["stats"] if finished and last["stats"] else {}
+                if stats and per_token:
+                    self.route_state.observe_timing(pool, plan.batch, stats, per_token)
                 if stats.get("proposed_tokens") and plan.traffic_class is not None:
                     self.route_state.observe(plan.traffic_class, stats)
                     tr = self.route_state.tracker

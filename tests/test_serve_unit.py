@@ -274,3 +274,26 @@ def test_specdec_calibrate_cli(tiny_models, tmp_path):
     costs = load_calibration(out, tiny_models["target"], tiny_models["draft"], "cpu")
     assert costs is not None and costs.batches == (1, 2) and costs.qs == (1, 2)
     assert costs.target_time(1, 1) > 0 and costs.draft_time(1) > 0
+
+
+def test_served_step_times_correct_the_routing():
+    """At batch 9 the engine-step costs send auto traffic to the plain pool. Served plain requests
+    then measure 1.6x their calibrated step (the serving loop's per-step cost) while co-located
+    speculative steps match theirs: the router learns it and routes speculation there too."""
+    st = _state(costs=_compute_bound_costs())
+    loads = {**ALL, "colocated": PoolLoad(active=8), "separate": PoolLoad(active=12)}
+    assert route(loads, state=st).pool == "plain"
+    cm, batch = st.cost_model, loads["colocated"].joined_batch()
+    plain = {"verify_steps": 0, "plain_steps": 40}
+    spec = {"verify_steps": 10, "plain_steps": 0, "proposed_tokens": 40, "mean_acceptance_length": 3.0}
+    for _ in range(30):
+        st.observe_timing("separate", batch, spec, 1.0)  # hops: not a step-cost drift
+        st.observe_timing("colocated", batch, {**spec, "plain_steps": 5}, 1.0)  # K changed mid-request
+    assert route(loads, state=st).pool == "plain"
+    for _ in range(30):
+        st.observe_timing("plain", batch, plain, 1.6 * cm.calibrated_step_time(batch, 0))
+        st.observe_timing("colocated", batch, spec, cm.calibrated_step_time(batch, 4) / 3.0)
+    r = route(loads, state=st)
+    assert (r.pool, r.decision.regime) == ("colocated", "favorable") and r.decision.predicted_speedup > 1.2
+    st.set_costs(_compute_bound_costs(), "recalibrated")  # new costs: what was learnt is dropped
+    assert route(loads, state=st).pool == "plain"
