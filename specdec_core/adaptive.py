@@ -111,7 +111,7 @@ class AdaptiveK:
         return KState(k, 0, probe_every)
 
     def observe_step(self, cls: TrafficClass, context_len: int, batch: int, k: int, seconds: float) -> None:
-        """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (the whole step)."""
+        """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
         model = self.cost_model_for(cls, context_len)
         self.drift.observe(k, seconds, model.calibrated_step_time(batch, k, self.topology), batch)
 

@@ -316,23 +316,17 @@ class Engine:
             for req in admitted:
                 req.stats.prefill_s = time.perf_counter() - req.arrival
                 req.stats.first_token_s = req.stats.prefill_s
-        uniform_k = self._decode(decoding, timing) if decoding else None
+        if decoding:
+            self._decode(decoding, timing)
         timing.total_s = time.perf_counter() - t0
         self.last_step = timing
         for req in decoding:
             req.stats.decode_s += timing.total_s - timing.prefill_s
         outputs += [r.output(stream_text) for r in admitted + decoding]
         self._running = [r for r in self._running if r.finish_reason is None]
-        if uniform_k is not None and not admitted:
-            # The whole step, outputs and detokenization included: per-step costs beyond the
-            # forwards are spread over E_K(a) tokens by speculation and paid per token by plain steps.
-            self.adaptive.observe_step(self._traffic_class(decoding[0]), max(len(r.tokens) for r in decoding),
-                                       len(decoding), uniform_k, time.perf_counter() - t0)
         return outputs
 
-    def _decode(self, rows: list[_Request], timing: StepTiming) -> int | None:
-        """One decode step of ``rows``; returns K if every row proposed exactly K tokens (K=0: a
-        plain step) after a normal catch-up, the steps that can be compared with the calibration."""
+    def _decode(self, rows: list[_Request], timing: StepTiming) -> None:
         batch = len(rows)
         ks = [self._choose_k(r, batch) for r in rows]
         if self.adaptive is not None and batch > 1:
@@ -346,11 +340,12 @@ class Engine:
         timing.verify_s = time.perf_counter() - t
         timing.batch = batch
         timing.speculative_rows = sum(1 for p in proposals if p.token_ids)
-        # A draft's catch-up prefill (after plain steps) is not a step cost: such steps are skipped.
+        # Steps whose rows all proposed K tokens teach adaptive K how far real steps run from the
+        # calibration; a draft's catch-up prefill (after plain steps) is not a step cost: skipped.
         proposed = {len(p.token_ids) for p in proposals}
         if self.adaptive is not None and len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
-            return proposed.pop()
-        return None
+            self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), batch,
+                                       proposed.pop(), timing.propose_s + timing.verify_s)
 
     def _choose_k(self, req: _Request, batch: int) -> int:
         if req.draft_failed or self.proposer is None:
