@@ -127,9 +127,7 @@ class AdaptiveK:
         if widest == 0:
             return True
         batch, spec_rows = len(ks), sum(1 for k in ks if k)
-        costs = model.costs
-        step = (costs.target_time(batch, widest + 1) + widest * costs.draft_time(spec_rows)
-                + costs.hop(self.topology))
+        step = model.spec_step_time(batch, widest, self.topology, draft_rows=spec_rows)
         tokens = sum(expected_tokens_per_step(a, k) for a, k in zip(acceptances, ks))  # E_0 = 1: plain rows
         return tokens / step > batch / model.plain_time_per_token(batch)
 

@@ -248,18 +248,21 @@ class CostModel:
     def plain_time_per_token(self, batch: float) -> float:
         return self.spec_step_time(batch, 0)
 
-    def spec_step_time(self, batch: float, k: int, topology: str = "colocated") -> float:
-        """One speculative step: K draft forwards, one K+1-token verify, the hops (K=0: a plain step)."""
-        t = self.calibrated_step_time(batch, k, topology)
+    def spec_step_time(self, batch: float, k: int, topology: str = "colocated", draft_rows: float | None = None
+                       ) -> float:
+        """One speculative step: K draft forwards (over ``draft_rows`` rows, default all), one
+        K+1-token verify, the hops (K=0: a plain step)."""
+        t = self.calibrated_step_time(batch, k, topology, draft_rows)
         return t if self.drift is None else t * self.drift.factor(k, batch)
 
-    def calibrated_step_time(self, batch: float, k: int, topology: str = "colocated") -> float:
-        key = (batch, k, topology)
+    def calibrated_step_time(self, batch: float, k: int, topology: str = "colocated",
+                             draft_rows: float | None = None) -> float:
+        key = (batch, k, topology, draft_rows)
         t = self._step_times.get(key)
         if t is None:
             t = self.costs.target_time(batch, k + 1)
             if k:
-                t += k * self.costs.draft_time(batch) + self.costs.hop(topology)
+                t += k * self.costs.draft_time(batch if draft_rows is None else draft_rows) + self.costs.hop(topology)
             self._step_times[key] = t
         return t
 

@@ -53,6 +53,17 @@ def process_logits(
     return probs if one_hot is None else torch.where(greedy, one_hot, probs)
 
 
+def process_logits_per_row(logits: torch.Tensor, rows) -> torch.Tensor:  # [B, ..., V] -> probabilities
+    """``process_logits`` with each row's settings taken from ``rows`` (objects with
+    ``temperature``, ``top_p`` and ``top_k``: proposal requests, verify items)."""
+    return process_logits(
+        logits,
+        torch.tensor([r.temperature for r in rows]),
+        torch.tensor([r.top_p for r in rows]),
+        torch.tensor([r.top_k for r in rows]),
+    )
+
+
 def _apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     vocab = scaled.shape[-1]
     k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))

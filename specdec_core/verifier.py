@@ -21,7 +21,7 @@ from specdec_core.proposers.base import Proposal
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import (
     greedy_verify,
-    process_logits,
+    process_logits_per_row,
     rejection_sample_unchecked,
     sample_categorical,
 )
@@ -92,12 +92,7 @@ class Verifier:
             for i, toks in zip(rows, greedy_verify(ids, logits[rows, : k + 1])):
                 out[i] = toks
         if sampled:
-            target_probs = process_logits(
-                logits[sampled],
-                torch.tensor([items[i].temperature for i in sampled]),
-                torch.tensor([items[i].top_p for i in sampled]),
-                torch.tensor([items[i].top_k for i in sampled]),
-            )  # [S, max K + 1, V]
+            target_probs = process_logits_per_row(logits[sampled], [items[i] for i in sampled])  # [S, K+1, V]
             for j, i in enumerate(sampled):
                 out[i] = self._rejection_sample(items[i], ks[i], target_probs[j : j + 1])
         return out

@@ -139,3 +139,13 @@ def test_ngram_calibration_times_full_width_verifies(tiny_models):
     # measured here: ~1.8x with full-width verifies, ~1.03x when the lookup proposes nothing
     assert costs.target_s[0][1] > 1.3 * costs.target_s[0][0]
     assert isinstance(eng.proposer, NgramProposer)  # restored
+
+
+def test_batch_pays_prices_the_padded_batch():
+    """At batch 8 with a cheap draft, every row speculating at high acceptance pays; one row at K=4
+    among plain rows does not: it widens every row's verify to 5 tokens for ~3 extra tokens."""
+    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(), "draft")
+    model = policy.cost_model
+    assert policy.batch_pays(model, [4] * 8, [0.9] * 8)
+    assert not policy.batch_pays(model, [4] + [0] * 7, [0.9] * 8)
+    assert policy.batch_pays(model, [0] * 8, [0.9] * 8)  # a plain step is never vetoed

@@ -14,7 +14,7 @@ import torch
 
 from specdec_core.proposers.base import Proposal, ProposalRequest
 from specdec_core.runner import ModelRunner
-from specdec_core.sampling import process_logits, sample_categorical
+from specdec_core.sampling import process_logits_per_row, sample_categorical
 from specdec_core.slots import SequenceSlots
 
 
@@ -64,12 +64,7 @@ class DraftModelProposer:
         tokens = logits.argmax(-1).tolist()
         sampled = [row for row, r in enumerate(requests) if r.temperature > 0]
         if sampled:
-            probs = process_logits(
-                logits[sampled],
-                torch.tensor([requests[row].temperature for row in sampled]),
-                torch.tensor([requests[row].top_p for row in sampled]),
-                torch.tensor([requests[row].top_k for row in sampled]),
-            )  # [S, V]
+            probs = process_logits_per_row(logits[sampled], [requests[row] for row in sampled])  # [S, V]
             for j, row in enumerate(sampled):
                 tokens[row] = int(sample_categorical(probs[j : j + 1], requests[row].generator)[0])
                 dists[row].append(probs[j])
