@@ -24,6 +24,7 @@ def regimes_markdown(data: dict) -> str:
         f"load average {m['load_average_1m']:.2f} at start, {m['time']}.",
         f"Config: {json.dumps(data['config'])}",
         "",
+        "tok/s = a mode's tokens over the sum of each prompt group's median wall time across reps. "
         "speedup = fixed-K speculative tok/s / plain tok/s; auto/best = auto tok/s / max(plain, spec); "
         "predicted = cost model (calibrated step costs + measured acceptance).",
         "",

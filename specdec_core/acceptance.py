@@ -156,8 +156,9 @@ class AcceptanceTracker:
 
     def estimate(self, cls: TrafficClass) -> float:
         """Posterior mean of a: (prior pseudo-accepts + accepted) / (prior weight + judged)."""
-        stats = self._stats.get(cls, _ClassStats())
-        return (self.prior(cls) * self.prior_weight + stats.accepted) / (self.prior_weight + stats.judged)
+        stats = self._stats.get(cls)
+        accepted, judged = (stats.accepted, stats.judged) if stats else (0.0, 0.0)
+        return (self.prior(cls) * self.prior_weight + accepted) / (self.prior_weight + judged)
 
     def evidence(self, cls: TrafficClass) -> float:
         """Effective number of judged tokens behind the estimate (decayed; prior excluded)."""

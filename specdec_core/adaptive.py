@@ -98,6 +98,10 @@ class AdaptiveK:
         ):
             k = 0
         if k == state.k:
+            if k == 0 and state.steps_at_current >= state.probe_every:
+                # The probe was declined (hopeless or unaffordable): wait another period before
+                # asking again, rather than re-pricing it every step.
+                return KState(0, 0, state.probe_every)
             return KState(k, state.steps_at_current + 1, state.probe_every)
         # Back off: every fall to plain (a failed probe or a collapse) doubles the wait before the
         # next probe, so traffic where speculation keeps losing pays for fewer probes; speculating

@@ -175,7 +175,7 @@ class _Drift:
     spec: float = 1.0
     plain_steps: int = 0
     spec_steps: int = 0
-    outliers: int = 0  # observations off the calibration by more than the bounds
+    outlier_rate: float = 0.0  # moving share of observations off the calibration by more than the bounds
 
 
 @dataclass
@@ -190,8 +190,10 @@ class StepDrift:
     16. Only the two factors' difference changes a decision, so they apply once both kinds of
     step have been seen ``min_steps`` times in the bucket: a drift learnt on one side alone would
     make that side look cheaper than the other for no measured reason. Steps off by more than
-    ``bounds`` are not drift but a calibration of other hardware (or a synthetic one): if they
-    are more than a tenth of a bucket's steps, the bucket keeps the calibration as it is.
+    ``bounds`` are not drift but a calibration of other hardware (or a synthetic one): while they
+    are more than a tenth of a bucket's recent steps, the bucket keeps the calibration as it is.
+    Recent, not all: a served replica's first requests (cold start, warm-up stalls) are outliers
+    too, and must not switch the correction off for the replica's life.
     """
 
     weight: float = 0.05  # per observed step
@@ -207,7 +209,7 @@ class StepDrift:
         d = self.buckets.get(self.bucket(batch))
         if d is None or min(d.plain_steps, d.spec_steps) < self.min_steps:
             return 1.0
-        if d.outliers > 0.1 * (d.plain_steps + d.spec_steps + d.outliers):
+        if d.outlier_rate > 0.1:
             return 1.0
         return d.plain if k == 0 else d.spec
 
@@ -216,8 +218,9 @@ class StepDrift:
             return
         d = self.buckets.setdefault(self.bucket(batch), _Drift())
         ratio = measured_s / calibrated_s
-        if not self.bounds[0] <= ratio <= self.bounds[1]:
-            d.outliers += 1
+        outlier = not self.bounds[0] <= ratio <= self.bounds[1]
+        d.outlier_rate += self.weight * (outlier - d.outlier_rate)
+        if outlier:
             return
         if k == 0:
             d.plain += self.weight * (ratio - d.plain)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec_core.acceptance import AcceptanceTracker
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK, KState
 from specdec_core.costmodel import CostModel, StepCosts, calibrate
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
@@ -54,6 +54,7 @@ class _Request(RequestState):
         self.generator = generator
         self.draft_failed = False
         self.k_state: KState | None = None  # adaptive K of this request
+        self.traffic_class: TrafficClass | None = None  # its acceptance class, once adaptive K asks
         self.draft_seen = 0  # history length the draft has fed (its proposals count until rejected)
 
     @property
@@ -414,8 +415,10 @@ class Engine:
                 self.adaptive.observe(self._traffic_class(req), res.num_proposed, res.num_accepted)
             self._commit(req, res.emitted)
 
-    def _traffic_class(self, req: _Request):
-        return self.adaptive.traffic_class(req.params.temperature, req.params.domain)
+    def _traffic_class(self, req: _Request) -> TrafficClass:
+        if req.traffic_class is None:  # fixed for the request's life; asked several times a step
+            req.traffic_class = self.adaptive.traffic_class(req.params.temperature, req.params.domain)
+        return req.traffic_class
 
     def _commit(self, req: _Request, emitted: list[int]) -> None:
         req.commit(emitted)

@@ -112,7 +112,10 @@ def test_probe_waits_when_the_draft_catch_up_cannot_pay():
     cls = policy.traffic_class(0.0, "default")
     state = KState(0, steps_at_current=10, probe_every=4)  # at K=0, a probe is due
     kw = dict(accepted=0, judged=400, batch=1, k_max=8, remaining_tokens=8)
-    assert policy.choose(state, cls, catch_up_tokens=600, **kw).k == 0
+    declined = policy.choose(state, cls, catch_up_tokens=600, **kw)
+    assert declined.k == 0
+    # A declined probe waits another period instead of being re-priced every step.
+    assert declined.steps_at_current == 0 and declined.probe_every == 4
     assert policy.choose(state, cls, catch_up_tokens=2, **kw).k == 1
 
 

@@ -282,3 +282,12 @@ def test_step_drift_moves_a_near_break_even_decision():
         foreign.observe(0, 0.1, 1.0)
         foreign.observe(2, 0.12, 1.0)
     assert foreign.factor(0) == foreign.factor(2) == 1.0
+    warm_up = StepDrift()
+    for _ in range(30):  # a replica's cold start: stalls far off the calibration
+        warm_up.observe(0, 10.0, 1.0)
+        warm_up.observe(2, 10.0, 1.0)
+    for _ in range(200):  # then steady steps with a real drift
+        warm_up.observe(0, 0.8, 1.0)
+        warm_up.observe(2, 1.0, 1.0)
+    assert warm_up.factor(0) == pytest.approx(0.8, abs=0.01) and warm_up.factor(2) == pytest.approx(1.0, abs=0.01)
+
