@@ -51,6 +51,7 @@ class AdaptiveK:
         self.topology = topology
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
+        self._class_probes: dict[TrafficClass, KState] = {}  # probe schedule of evidence-less requests
 
     def traffic_class(self, temperature: float, domain: str) -> TrafficClass:
         return TrafficClass.of(self.draft_name, temperature, domain)
@@ -85,18 +86,37 @@ class AdaptiveK:
         """
         a = self.acceptance(cls, accepted, judged)
         model = self.cost_model_for(cls, context_len)
-        if state is None:
-            k = model.best_k(batch, a, k_max, self.topology).k
+        if state is None:  # as if at K=0: speculation must beat plain by the margin to start
+            k = adaptive_k(model, batch, a, k_max, 0, 0, self.topology, probe_every=self.probe_every)
             pays = self._pays_for_catch_up(model, batch, a, k_max, remaining_tokens, catch_up_tokens)
             return KState(k if pays else 0, probe_every=self.probe_every)
+        # A request at K=0 with no judged tokens of its own knows only its class's estimate, so a
+        # probe would test the class: it runs on the class's schedule (one probe per probe_every
+        # plain row-steps of the class, backing off across requests), not once per request.
+        own = state.k > 0 or judged > 0
+        schedule = state if own else self._class_probes.get(cls, KState(0, 0, self.probe_every))
         k = adaptive_k(
-            model, batch, a, k_max, state.k, state.steps_at_current, self.topology,
-            probe_every=state.probe_every,
+            model, batch, a, k_max, state.k, schedule.steps_at_current, self.topology,
+            probe_every=schedule.probe_every,
         )
         if state.k == 0 and k > 0 and not self._probe_affordable(
             model, batch, a, k_max, remaining_tokens, catch_up_tokens
         ):
             k = 0
+        if k > 1:
+            self._class_probes.pop(cls, None)  # speculation pays: class probes restart at the base wait
+        if own:
+            return self._advance(state, k)
+        if k == 0:
+            self._class_probes[cls] = self._advance(schedule, 0)
+            return KState(0, state.steps_at_current + 1, state.probe_every)
+        wait = min(2 * schedule.probe_every, self.max_probe_every)
+        if k == 1:  # the class's probe: the next one waits twice as long
+            self._class_probes[cls] = KState(0, 0, wait)
+        return KState(k, 0, wait if k == 1 else self.probe_every)
+
+    def _advance(self, state: KState, k: int) -> KState:
+        """A request's state after choosing ``k``."""
         if k == state.k:
             if k == 0 and state.steps_at_current >= state.probe_every:
                 # The probe was declined (hopeless or unaffordable): wait another period before

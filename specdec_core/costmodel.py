@@ -451,7 +451,9 @@ def adaptive_k(
 
     - Switch from current_k to the best K (0 = plain step, without leaving the
       replica) only if it is faster per token by more than `hysteresis`, so K
-      does not flap when two choices are within noise of each other.
+      does not flap when two choices are within noise of each other. Leaving
+      K = 0, or a K that loses to plain, needs the same margin over plain: a
+      probe's few judged tokens must not start marginal speculation.
     - Probe: at K = 0 no position is judged, so the request's acceptance estimate
       freezes at its collapsed value (decay is by judged tokens). After
       `probe_every` steps at K = 0 one step runs at `probe_k` to gather fresh
@@ -463,11 +465,18 @@ def adaptive_k(
     `steps_at_current` is the caller's count of steps since K last changed.
     """
     best = cost_model.best_k(batch, acceptance, k_max, topology)
+    plain_time = cost_model.plain_time_per_token(batch)
+    current_time = cost_model.spec_time_per_token(batch, min(current_k, k_max), acceptance, topology)
+    if best.k > 0 and (current_k == 0 or current_time > plain_time):
+        # Leaving plain decoding, or a K that loses to it (a probe, a fall in acceptance): only for a
+        # gain over plain beyond the margin. Near break-even, each switch costs a draft catch-up.
+        if best.time_per_token_s < (1.0 - hysteresis) * plain_time:
+            return best.k
+        best = KChoice(0, plain_time, 1.0)
     if current_k == 0 and best.k == 0:
         if steps_at_current < probe_every:
             return 0
         return probe_k if cost_model.best_k(batch, probe_ceiling, k_max, topology).k > 0 else 0
     if current_k > k_max:
         return best.k
-    current_time = cost_model.spec_time_per_token(batch, current_k, acceptance, topology)
     return best.k if best.time_per_token_s < (1.0 - hysteresis) * current_time else current_k

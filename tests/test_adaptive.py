@@ -103,6 +103,29 @@ def test_failed_probes_back_off_and_speculation_resets_the_interval():
     assert state.k > 1 and state.probe_every == 4
 
 
+def test_requests_without_evidence_probe_on_their_class_schedule():
+    """Short requests of a class where speculation does not pay start at K=0 with no judged tokens of
+    their own: a probe would test the class, so the class probes, not every request, and its probes
+    back off across requests. Once one request speculates beyond K=1, the class's wait is back at base."""
+    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    cls = policy.traffic_class(0.0, "default")
+    probes_at = []
+    for request in range(20):  # 20 requests x 10 decode steps
+        state = policy.choose(None, cls, 0, 0, batch=1, k_max=8)
+        judged = 0
+        for step in range(10):
+            judged += state.k  # the last step judged its proposals (all rejected)
+            state = policy.choose(state, cls, accepted=0, judged=judged, batch=1, k_max=8)
+            if state.k:
+                probes_at.append(request * 10 + step)
+    gaps = [b - a for a, b in itertools.pairwise(probes_at)]
+    assert 2 <= len(probes_at) <= 8  # once per request would be 20
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
+    # Acceptance is back: a request that speculates at K > 1 resets the class's wait.
+    policy.choose(KState(1, 0, 4), cls, accepted=390, judged=400, batch=1, k_max=8)
+    assert cls not in policy._class_probes
+
+
 def test_probe_waits_when_the_draft_catch_up_cannot_pay():
     """Long context: after plain steps the draft is hundreds of tokens behind; a probe would pay that
     prefill for a handful of remaining tokens, so it is skipped; with few tokens to catch up it runs."""

@@ -243,6 +243,18 @@ def test_adaptive_k_hysteresis_keeps_near_ties():
     assert math.isclose(adaptive_k(cm, 1, 0.8, 2, current_k=5), cm.best_k(1, 0.8, 2).k)
 
 
+def test_adaptive_k_leaves_plain_only_for_a_gain_beyond_the_margin():
+    """c = 0.45, verify = 1 plain step: at a = 0.5 the best K (1) is 3.4% faster than plain, within
+    the 5% margin. A K that loses to plain (K=4, or a probe) does not move to that marginal K but
+    drops to plain; at a = 0.7 (K=1: 17% faster) it moves."""
+    cm = CostModel(leviathan_costs(0.45))
+    assert cm.best_k(1, 0.5).k == 1 and 1.0 < cm.best_k(1, 0.5).predicted_speedup < 1.05
+    assert adaptive_k(cm, 1, 0.5, 8, current_k=4) == 0
+    assert adaptive_k(cm, 1, 0.5, 8, current_k=0) == 0
+    assert adaptive_k(cm, 1, 0.7, 8, current_k=4) == cm.best_k(1, 0.7).k > 0
+    assert adaptive_k(cm, 1, 0.7, 8, current_k=0) == cm.best_k(1, 0.7).k
+
+
 def test_context_slopes_price_long_contexts_per_row():
     costs = StepCosts(batches=(1, 4), qs=(1, 5), target_s=((1.0, 1.5), (2.0, 4.0)), draft_s=(0.3, 0.5),
                       context_len=64, context_slope_s=(0.001, 0.004), draft_context_slope_s=0.0005)
