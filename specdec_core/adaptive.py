@@ -8,7 +8,8 @@ as a prior of ``prior_weight`` tokens; the choice itself is ``costmodel.adaptive
 optimal K under E_K(a) = (1 - a^(K+1)) / (1 - a), Leviathan et al. 2023, with hysteresis),
 priced by the costs of the request's sampling path at its context length, corrected by the drift
 of real steps from the calibration (``StepDrift``). A ragged batch is padded to its widest row,
-so the engine lets a step speculate only if the whole batch gains (``batch_pays``).
+so the engine lets a step speculate only if the whole batch gains (``batch_pays``). Probes run
+per request once it has evidence of its own, per traffic class before (``choose``).
 """
 
 from __future__ import annotations
