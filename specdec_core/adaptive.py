@@ -20,6 +20,8 @@ from specdec_core.acceptance import AcceptanceTracker, TrafficClass, temperature
 from specdec_core.costmodel import PROBE_CEILING, CostModel, StepDrift, adaptive_k, expected_tokens_per_step
 
 CONTEXT_BUCKET = 64  # tokens: adaptive K prices a request at its context rounded up to this
+GREEDY_BUCKET = temperature_bucket(0.0)
+REPRICE_EVERY = 4  # steps between re-pricings of a request at K=0
 PROBE_BUDGET = 0.05  # share of a request's remaining decode time a probe's draft catch-up may take
 
 
@@ -60,7 +62,7 @@ class AdaptiveK:
     def cost_model_for(self, cls: TrafficClass, context_len: int = 0) -> CostModel:
         """The cost model for this class's sampling path, priced at the context (rounded up to a
         multiple of 64 tokens, and cached, so a step does not rebuild a grid per request)."""
-        greedy = cls.temperature_bucket == temperature_bucket(0.0)
+        greedy = cls.temperature_bucket == GREEDY_BUCKET
         key = (greedy, -(-context_len // CONTEXT_BUCKET))
         model = self._by_context.get(key)
         if model is None:
@@ -85,6 +87,10 @@ class AdaptiveK:
         for a probe at ``PROBE_CEILING`` (could it pay if acceptance were back?) and within
         ``PROBE_BUDGET``.
         """
+        if state is not None and state.k == 0:
+            kept = self._keep_plain_unpriced(state, cls, judged)
+            if kept is not None:
+                return kept
         a = self.acceptance(cls, accepted, judged)
         model = self.cost_model_for(cls, context_len)
         if state is None:  # as if at K=0: speculation must beat plain by the margin to start
@@ -115,6 +121,19 @@ class AdaptiveK:
         if k == 1:  # the class's probe: the next one waits twice as long
             self._class_probes[cls] = KState(0, 0, wait)
         return KState(k, 0, wait if k == 1 else self.probe_every)
+
+    def _keep_plain_unpriced(self, state: KState, cls: TrafficClass, judged: int) -> KState | None:
+        """At K=0 a request gains no evidence of its own and its other inputs (class estimate,
+        drift, context) move slowly, so it is re-priced every ``REPRICE_EVERY`` steps and whenever
+        a probe is due; in between it stays plain (pricing is ~25 us a row, ~1% of a step here)."""
+        own = judged > 0
+        schedule = state if own else self._class_probes.get(cls, KState(0, 0, self.probe_every))
+        if (state.steps_at_current + 1) % REPRICE_EVERY == 0 or schedule.steps_at_current >= schedule.probe_every:
+            return None
+        if own:
+            return self._advance(state, 0)
+        self._class_probes[cls] = self._advance(schedule, 0)
+        return KState(0, state.steps_at_current + 1, state.probe_every)
 
     def _advance(self, state: KState, k: int) -> KState:
         """A request's state after choosing ``k``."""

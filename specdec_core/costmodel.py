@@ -80,6 +80,11 @@ class StepCosts:
     target_s[i][j]: target forward at batch batches[i] with qs[j] new tokens per row.
     draft_s[i]: draft forward at batch batches[i], one new token (zeros for a
     model-free proposer such as n-gram lookup).
+    draft_step_s[i]: what a speculative step's draft phase costs beyond K draft_s (empty:
+    nothing): its first forward also feeds the last verify's tokens (the recovered or bonus
+    token, and the last draft token when all K were accepted) and runs after the target's pass
+    has taken the cache. Measured here at batch 1: propose(K) ~ 0.45 + 0.85 K ms, so a cost
+    per token fitted across K undercharged K=1 by ~5% of a step and overcharged K=8.
     hop_overhead_s: extra seconds per speculative step, by topology.
     """
 
@@ -99,6 +104,7 @@ class StepCosts:
     context_len: int = 64
     context_slope_s: tuple[float, ...] = ()
     draft_context_slope_s: float = 0.0
+    draft_step_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if list(self.batches) != sorted(set(self.batches)) or list(self.qs) != sorted(set(self.qs)):
@@ -107,6 +113,8 @@ class StepCosts:
             raise ValueError("target_s must be len(batches) x len(qs)")
         if len(self.draft_s) != len(self.batches):
             raise ValueError("draft_s must have one entry per batch")
+        if self.draft_step_s and len(self.draft_step_s) != len(self.batches):
+            raise ValueError("draft_step_s must have one entry per batch")
         if self.context_slope_s and len(self.context_slope_s) != len(self.qs):
             raise ValueError("context_slope_s must have one entry per q")
 
@@ -134,6 +142,10 @@ class StepCosts:
         """t_D(b): one draft forward, one new token per row."""
         return _interp(self.batches, self.draft_s, batch)
 
+    def draft_step_time(self, batch: float) -> float:
+        """A speculative step's draft cost beyond K forwards (``draft_step_s``)."""
+        return _interp(self.batches, self.draft_step_s, batch) if self.draft_step_s else 0.0
+
     def hop(self, topology: str) -> float:
         if topology not in self.hop_overhead_s:
             raise ValueError(f"no hop overhead for topology {topology!r}")
@@ -151,6 +163,7 @@ class StepCosts:
             "context_len": self.context_len,
             "context_slope_s": list(self.context_slope_s),
             "draft_context_slope_s": self.draft_context_slope_s,
+            "draft_step_s": list(self.draft_step_s),
         }
 
     @classmethod
@@ -166,6 +179,7 @@ class StepCosts:
             context_len=int(d.get("context_len", 64)),
             context_slope_s=tuple(float(s) for s in d.get("context_slope_s", ())),
             draft_context_slope_s=float(d.get("draft_context_slope_s", 0.0)),
+            draft_step_s=tuple(float(t) for t in d.get("draft_step_s", ())),
         )
 
 
@@ -216,7 +230,10 @@ class StepDrift:
     def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1) -> None:
         if calibrated_s <= 0 or measured_s <= 0:
             return
-        d = self.buckets.setdefault(self.bucket(batch), _Drift())
+        bucket = self.bucket(batch)
+        d = self.buckets.get(bucket)
+        if d is None:  # not setdefault: a step should not build a _Drift it throws away
+            d = self.buckets[bucket] = _Drift()
         ratio = measured_s / calibrated_s
         outlier = not self.bounds[0] <= ratio <= self.bounds[1]
         d.outlier_rate += self.weight * (outlier - d.outlier_rate)
@@ -265,7 +282,8 @@ class CostModel:
         if t is None:
             t = self.costs.target_time(batch, k + 1)
             if k:
-                t += k * self.costs.draft_time(batch if draft_rows is None else draft_rows) + self.costs.hop(topology)
+                rows = batch if draft_rows is None else draft_rows
+                t += k * self.costs.draft_time(rows) + self.costs.draft_step_time(rows) + self.costs.hop(topology)
             self._step_times[key] = t
         return t
 
@@ -308,15 +326,32 @@ class CostModel:
         return self.costs.draft_time(batch) / self.plain_time_per_token(batch)
 
 
+def fit_draft_cost(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per draft token, seconds per step) from (K, draft phase seconds) measurements:
+    least squares of propose(K) = per_step + K per_token, with per_step >= 0 (a fit below zero
+    is noise: then the line through the origin)."""
+    ks = [k for k, _ in points]
+    if len(set(ks)) > 1:
+        mean_k = sum(ks) / len(ks)
+        mean_t = sum(t for _, t in points) / len(points)
+        slope = sum((k - mean_k) * (t - mean_t) for k, t in points) / sum((k - mean_k) ** 2 for k in ks)
+        intercept = mean_t - slope * mean_k
+        if intercept >= 0 and slope > 0:
+            return slope, intercept
+    return sum(k * t for k, t in points) / sum(k * k for k in ks), 0.0
+
+
 def calibrate(
     time_target: Callable[[int, int], float],
     time_draft: Callable[[int], float] | None,
     batches: Sequence[int] = DEFAULT_BATCHES,
     qs: Sequence[int] = DEFAULT_QS,
     hop_overhead_s: Mapping[str, float] = DEFAULT_HOP_OVERHEAD_S,
+    time_draft_step: Callable[[int], float] | None = None,
 ) -> StepCosts:
     """Time every grid point with the given functions (e.g. `runner.time_step`,
-    median seconds per forward). time_draft None: a model-free proposer, ~0 s.
+    median seconds per forward). time_draft None: a model-free proposer, ~0 s;
+    time_draft_step: a speculative step's draft cost beyond K forwards (``StepCosts.draft_step_s``).
 
     Timing noise on a shared machine only ever adds time, and a forward with more
     tokens or rows is never cheaper, so each measurement is capped by every
@@ -331,6 +366,7 @@ def calibrate(
         target_s=tuple(tuple(col[i] for col in columns) for i in range(len(batches))),
         draft_s=tuple(_suffix_min([float(time_draft(b)) if time_draft else 0.0 for b in batches])),
         hop_overhead_s=dict(hop_overhead_s),
+        draft_step_s=tuple(float(time_draft_step(b)) for b in batches) if time_draft_step else (),
     )
 
 

@@ -26,7 +26,7 @@ import torch
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK, KState
-from specdec_core.costmodel import CostModel, StepCosts, calibrate
+from specdec_core.costmodel import CostModel, StepCosts, calibrate, fit_draft_cost
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids
 from specdec_core.runner import ModelRunner, load_tokenizer
@@ -135,7 +135,7 @@ class Engine:
         return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size)
 
     def calibrate(
-        self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 3,
+        self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 6,
         temperature: float = 0.0, long_context_len: int | None = None,
     ) -> StepCosts:
         """Measure step costs on this hardware through the engine's own code paths (seconds).
@@ -153,22 +153,24 @@ class Engine:
             raise RuntimeError("calibrate needs an idle engine")
         batches = [b for b in batches if b <= min(self.max_batch_size, self.target.num_free_slots)]
         speculative = self.proposer is not None and max(qs) > 1
-        draft_s = {}
+        draft_phase = {}  # batch -> [(K, seconds of the step's draft phase)]
 
         def time_target(b: int, q: int) -> float:
             verify, propose = self._time_steps(b, q - 1, context_len, steps, temperature)
             if q > 1:
-                draft_s.setdefault(b, []).append(propose / (q - 1))
+                draft_phase.setdefault(b, []).append((q - 1, propose))
             return verify
 
-        time_draft = (lambda b: statistics.median(draft_s[b])) if speculative else None
+        time_draft = (lambda b: fit_draft_cost(draft_phase[b])[0]) if speculative else None
+        time_draft_step = (lambda b: fit_draft_cost(draft_phase[b])[1]) if speculative else None
         proposer = self.proposer
         if speculative and not proposer.proposes_full_k:
             # A lookup finds no match in the synthetic prompt's continuation and would propose
             # nothing, so the "K+1" verifies would be plain steps: time full-width verifies instead.
             self.proposer = _FullWidthProposer()
         try:
-            costs = calibrate(time_target, time_draft, batches=batches, qs=qs)  # target first: draft_s filled
+            costs = calibrate(time_target, time_draft, batches=batches, qs=qs,  # target first: draft_phase filled
+                              time_draft_step=time_draft_step)
             costs = dataclasses.replace(costs, context_len=context_len)
             long_context_len = min(long_context_len or 0, self.max_model_len - (steps + 3) * max(qs))
             if long_context_len > context_len:
@@ -190,7 +192,8 @@ class Engine:
             verify, propose = self._time_steps(1, q - 1, long_context_len, steps, temperature)
             slopes.append(max(0.0, verify - costs.target_time(1, q)) / extra)
             if q > 1 and self.proposer is not None:
-                draft_slopes.append(max(0.0, propose / (q - 1) - costs.draft_time(1)) / extra)
+                per_token = (propose - costs.draft_step_time(1)) / (q - 1)
+                draft_slopes.append(max(0.0, per_token - costs.draft_time(1)) / extra)
         return dataclasses.replace(
             costs, context_slope_s=tuple(slopes),
             draft_context_slope_s=statistics.median(draft_slopes) if draft_slopes else 0.0,

@@ -126,6 +126,18 @@ def test_requests_without_evidence_probe_on_their_class_schedule():
     assert cls not in policy._class_probes
 
 
+def test_plain_requests_are_repriced_every_few_steps():
+    """At K=0 a request is re-priced every REPRICE_EVERY steps (its inputs move slowly), so a rise in
+    acceptance starts speculation within that many steps, not on the very next one."""
+    from specdec_core.adaptive import REPRICE_EVERY
+
+    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=64)
+    cls = policy.traffic_class(0.0, "default")
+    kw = dict(accepted=390, judged=400, batch=1, k_max=8)  # evidence says speculation pays now
+    assert policy.choose(KState(0, 0, 64), cls, **kw).k == 0  # between re-pricings
+    assert policy.choose(KState(0, REPRICE_EVERY - 1, 64), cls, **kw).k > 0
+
+
 def test_probe_waits_when_the_draft_catch_up_cannot_pay():
     """Long context: after plain steps the draft is hundreds of tokens behind; a probe would pay that
     prefill for a handful of remaining tokens, so it is skipped; with few tokens to catch up it runs."""

@@ -15,6 +15,7 @@ from specdec_core.costmodel import (
     adaptive_k,
     calibrate,
     expected_tokens_per_step,
+    fit_draft_cost,
     leviathan_speedup,
     llama3_8b,
     llama32_1b,
@@ -142,6 +143,23 @@ def test_calibrate_calls_grid():
     assert costs.target_time(4, 3) == pytest.approx(0.043)
     assert costs.draft_time(4) == pytest.approx(0.008)
     assert calibrate(time_target, None, batches=(1,), qs=(1,)).draft_s == (0.0,)
+
+
+def test_draft_phase_is_affine_in_k():
+    """A step's draft phase measured here: propose(K) ~ 0.45 + 0.85 K ms (its first forward also feeds
+    the last verify's tokens). The fit recovers both terms, so K=1 is not undercharged; a fit below
+    zero (noise) falls back to cost per token; the step cost enters spec_step_time once per step."""
+    per_token, per_step = fit_draft_cost([(k, 0.45 + 0.85 * k) for k in (1, 2, 4, 8)])
+    assert per_token == pytest.approx(0.85) and per_step == pytest.approx(0.45)
+    assert fit_draft_cost([(1, 1.0), (4, 4.4)]) == (pytest.approx((1.0 + 4 * 4.4) / 17), 0.0)
+    assert fit_draft_cost([(4, 2.0)]) == (0.5, 0.0)
+    costs = StepCosts(batches=(1,), qs=(1, 9), target_s=((1.0, 1.0),), draft_s=(0.2,), draft_step_s=(0.1,),
+                      hop_overhead_s={"colocated": 0.0})
+    cm = CostModel(costs)
+    assert cm.spec_step_time(1, 1) == pytest.approx(1.0 + 0.2 + 0.1)
+    assert cm.spec_step_time(1, 4) == pytest.approx(1.0 + 0.8 + 0.1)
+    assert cm.plain_time_per_token(1) == pytest.approx(1.0)
+    assert StepCosts.from_dict(costs.to_dict()) == costs
 
 
 def test_calibrate_caps_noise_spikes_by_larger_shapes():
