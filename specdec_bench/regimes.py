@@ -1,11 +1,11 @@
 """`specdec-bench regimes`: every regime cell, plain vs fixed-K speculation vs auto (adaptive K),
 interleaved, on the shipped model family, next to the cost model's prediction.
 
-Prediction for a cell = plain / speculative time per token from the cost model,
-(K t_D + t_T(K+1)) / E_K(a) against t_T(1), with step costs calibrated on this machine at the
-cell's batch and context length through the engine's own step phases (so framework overhead is
-inside them) on a synthetic prompt, and a = the per-token acceptance measured in the cell's
-speculative runs.
+Prediction for a cell = plain / speculative time per token from the cost model: the step costs
+(t_D0 + K t_D + t_T(K+1) per speculative step, t_T(1) per plain one), calibrated on this machine
+at the cell's batch and context length through the engine's own step phases (so framework
+overhead is inside them) on a synthetic prompt, priced over the steps the cell's speculative runs
+took and divided by the tokens they emitted (``predict``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_prompts, machine_facts
 from specdec_core import Engine, SamplingParams
-from specdec_core.costmodel import CostModel, expected_tokens_per_step
+from specdec_core.costmodel import CostModel
 
 MODES = ("plain", "spec", "auto")
 
@@ -141,16 +141,17 @@ def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tup
 
     Decode costs are calibrated through the engine's own step phases at the cell's batch, context
     and temperature (on a synthetic prompt; sampling costs more per step than greedy). The traffic
-    enters through what the speculative runs measured: the per-token acceptance a and how many
-    decode steps proposed k tokens, n_k (k = 0: a plain step; the n-gram proposer, or the end of a
-    request, proposes fewer than K):
-        t_spec = sum_k n_k (k t_D + t_T(k+1)) / sum_k n_k E_k(a)
-    Pricing every step at the mean proposal length instead overestimated the n-gram cell by 20%:
-    E_k(a) is concave in k.
+    enters through what the speculative runs measured: how many decode steps proposed k tokens,
+    n_k (k = 0: a plain step; the n-gram proposer, or the end of a request, proposes fewer than
+    K), and the tokens those steps emitted, N:
+        t_spec = sum_k n_k (t_D0 + k t_D + t_T(k+1)) / N
+    (t_D0: the draft's per-step cost, k > 0 only). Pricing every step at the mean proposal length
+    overestimated the n-gram cell by 20% (step cost is not linear in k), and E_K(a) of the
+    per-token acceptance overestimated tokens per step by 4-10%: acceptance is not independent
+    from position to position.
     A request also pays the target's prefill, and with speculation the draft's prefill, which
     short outputs cannot amortise (prefill-heavy).
     """
-    acceptance = judged_acceptance(spec_outs)
     steps_by_k = {}
     for o in spec_outs:
         for k, n in enumerate(o.stats.proposal_lengths):
@@ -161,7 +162,7 @@ def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tup
     model = CostModel(costs)
     t_plain = model.plain_time_per_token(cell.batch)
     step_time = sum(n * model.spec_step_time(cell.batch, k) for k, n in steps_by_k.items())
-    tokens = sum(n * expected_tokens_per_step(acceptance, k) for k, n in steps_by_k.items())
+    tokens = sum(len(o.token_ids) for o in spec_outs)  # emitted by those steps (the prefill's step included)
     t_spec = step_time / tokens if tokens else t_plain
     target_prefill = engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2)
     draft_prefill = costs.draft_prefill_s_per_token * prompt_len * cell.batch
