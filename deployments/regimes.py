@@ -50,6 +50,7 @@ PRIOR_COSTS = StepCosts(
 
 # OpenAI `service_tier` values that mean "bulk, latency does not matter": the throughput objective.
 THROUGHPUT_TIERS = ("flex", "batch", "scale")
+SERVED_DRIFT_BOUNDS = (0.5, 4.0)  # served / calibrated step time believed as drift (beyond: another machine's costs)
 # A representative temperature per bucket, for the /v1/regimes choice of a class.
 BUCKET_TEMPERATURE = {"greedy": 0.0, "low": 0.3, "mid": 0.8, "high": 1.5}
 
@@ -101,8 +102,10 @@ class RouteState:
     def set_costs(self, costs: StepCosts, source: str | None = None) -> None:
         self.costs = with_hops(costs, self.separate_hop_s)
         self.costs_source = source or costs.source
-        # What served requests measure against these costs (new costs: nothing learnt yet).
-        self.drift = StepDrift()
+        # What served requests measure against these costs (new costs: nothing learnt yet). A served
+        # step also pays the replica's loop and streaming: measured 1.3-2x an engine step here, so
+        # the bounds on a believable drift are wider than inside an engine.
+        self.drift = StepDrift(bounds=SERVED_DRIFT_BOUNDS)
         self.cost_model = CostModel(self.costs, drift=self.drift)
 
     @property

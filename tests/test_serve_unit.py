@@ -278,8 +278,9 @@ def test_specdec_calibrate_cli(tiny_models, tmp_path):
 
 def test_served_step_times_correct_the_routing():
     """At batch 9 the engine-step costs send auto traffic to the plain pool. Served plain requests
-    then measure 1.6x their calibrated step (the serving loop's per-step cost) while co-located
-    speculative steps match theirs: the router learns it and routes speculation there too."""
+    then measure 2.5x their calibrated step (the serving loop's per-step cost; more than an engine's
+    own drift bounds believe) while co-located speculative steps match theirs: the router learns it
+    and routes speculation there too."""
     st = _state(costs=_compute_bound_costs())
     loads = {**ALL, "colocated": PoolLoad(active=8), "separate": PoolLoad(active=12)}
     assert route(loads, state=st).pool == "plain"
@@ -291,7 +292,7 @@ def test_served_step_times_correct_the_routing():
         st.observe_timing("colocated", batch, {**spec, "plain_steps": 5}, 1.0)  # K changed mid-request
     assert route(loads, state=st).pool == "plain"
     for _ in range(30):
-        st.observe_timing("plain", batch, plain, 1.6 * cm.calibrated_step_time(batch, 0))
+        st.observe_timing("plain", batch, plain, 2.5 * cm.calibrated_step_time(batch, 0))
         st.observe_timing("colocated", batch, spec, cm.calibrated_step_time(batch, 4) / 3.0)
     r = route(loads, state=st)
     assert (r.pool, r.decision.regime) == ("colocated", "favorable") and r.decision.predicted_speedup > 1.2
