@@ -8,6 +8,7 @@ between the router's plain-dict requests and the engine, and reports load.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -163,6 +164,8 @@ class EngineReplica:
             "streams": len(self.engine._streams),
             "served": self._served,
             "adaptive": e.adaptive is not None,
+            # adaptive K's correction of the calibration, per batch bucket (log2): measured / calibrated step
+            "drift": {b: dataclasses.asdict(d) for b, d in e.adaptive.drift.buckets.items()} if e.adaptive else {},
             "costs_source": self._costs_source,
             "aborted": self._aborted,
         }

@@ -291,7 +291,7 @@ def test_draft_failure_degrades_to_plain(server, client):
 # ---- regime-aware routing (mode auto), the regime map, metrics -----------------------------------------
 
 
-def test_auto_speculates_single_greedy_request(client):
+def test_auto_speculates_single_greedy_request(client, server):
     out = complete(client, max_tokens=32, user="regime-single")  # no speculation field: mode auto
     spec = out["speculation"]
     assert (spec["pool"], spec["topology"], spec["mode"], spec["regime"]) == (
@@ -301,6 +301,9 @@ def test_auto_speculates_single_greedy_request(client):
     assert spec["costs_source"].startswith("file:")  # the replica's calibration reached the router
     assert spec["realised_speedup"] is not None and spec["realised_speedup"] > 0
     assert out["usage"]["completion_tokens"] == 32
+    # the replica's adaptive K learnt from the request's steps, per batch bucket (GET /v1/stats)
+    drift = stats(server)["colocated"][0]["drift"]
+    assert sum(d["plain_steps"] + d["spec_steps"] for d in drift.values()) > 0, drift
     # the same request, greedy: adaptive K changes nothing in the output
     ref = complete(client, max_tokens=32, speculation=PLAIN)
     assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
