@@ -301,9 +301,11 @@ def test_auto_speculates_single_greedy_request(client, server):
     assert spec["costs_source"].startswith("file:")  # the replica's calibration reached the router
     assert spec["realised_speedup"] is not None and spec["realised_speedup"] > 0
     assert out["usage"]["completion_tokens"] == 32
-    # the replica's adaptive K learnt from the request's steps, per batch bucket (GET /v1/stats)
+    # the request's batch-1 steps reached the replica's drift correction (GET /v1/stats): counted,
+    # or set aside as outliers against the test's calibration file, which another run measured
     drift = stats(server)["colocated"][0]["drift"]
-    assert sum(d["plain_steps"] + d["spec_steps"] for d in drift.values()) > 0, drift
+    assert 0 in drift, drift
+    assert drift[0]["plain_steps"] + drift[0]["spec_steps"] > 0 or drift[0]["outlier_rate"] > 0, drift
     # the same request, greedy: adaptive K changes nothing in the output
     ref = complete(client, max_tokens=32, speculation=PLAIN)
     assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
