@@ -103,7 +103,7 @@ class RouteState:
         self.costs = with_hops(costs, self.separate_hop_s)
         self.costs_source = source or costs.source
         # What served requests measure against these costs (new costs: nothing learnt yet). A served
-        # step also pays the replica's loop and streaming: measured 1.3-2x an engine step here, so
+        # step also pays the replica's loop and streaming: measured 1.4-2.2x an engine step here, so
         # the bounds on a believable drift are wider than inside an engine.
         self.drift = StepDrift(bounds=SERVED_DRIFT_BOUNDS)
         self.cost_model = CostModel(self.costs, drift=self.drift)

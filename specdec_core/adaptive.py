@@ -101,7 +101,7 @@ class AdaptiveK:
         # probe would test the class: it runs on the class's schedule (one probe per probe_every
         # plain row-steps of the class, backing off across requests), not once per request.
         own = state.k > 0 or judged > 0
-        schedule = state if own else self._class_probes.get(cls, KState(0, 0, self.probe_every))
+        schedule = self._probe_schedule(state, cls, own)
         k = adaptive_k(
             model, batch, a, k_max, state.k, schedule.steps_at_current, self.topology,
             probe_every=schedule.probe_every,
@@ -125,15 +125,20 @@ class AdaptiveK:
     def _keep_plain_unpriced(self, state: KState, cls: TrafficClass, judged: int) -> KState | None:
         """At K=0 a request gains no evidence of its own and its other inputs (class estimate,
         drift, context) move slowly, so it is re-priced every ``REPRICE_EVERY`` steps and whenever
-        a probe is due; in between it stays plain (pricing is ~25 us a row, ~1% of a step here)."""
+        a probe is due; in between it stays plain (pricing is ~25 us a row: ~1% of a batch-1 step
+        here, 2-3% at batch 4)."""
         own = judged > 0
-        schedule = state if own else self._class_probes.get(cls, KState(0, 0, self.probe_every))
+        schedule = self._probe_schedule(state, cls, own)
         if (state.steps_at_current + 1) % REPRICE_EVERY == 0 or schedule.steps_at_current >= schedule.probe_every:
             return None
         if own:
             return self._advance(state, 0)
         self._class_probes[cls] = self._advance(schedule, 0)
         return KState(0, state.steps_at_current + 1, state.probe_every)
+
+    def _probe_schedule(self, state: KState, cls: TrafficClass, own: bool) -> KState:
+        """Whose probe clock applies: the request's own once it has evidence, else its class's."""
+        return state if own else self._class_probes.get(cls, KState(0, 0, self.probe_every))
 
     def _advance(self, state: KState, k: int) -> KState:
         """A request's state after choosing ``k``."""
