@@ -13,6 +13,7 @@ caches as soft state keyed by request id and reconcile against that history on e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import statistics
@@ -161,8 +162,12 @@ class Engine:
                 draft_phase.setdefault(b, []).append((q - 1, propose))
             return verify
 
-        time_draft = (lambda b: fit_draft_cost(draft_phase[b])[0]) if speculative else None
-        time_draft_step = (lambda b: fit_draft_cost(draft_phase[b])[1]) if speculative else None
+        @functools.cache
+        def draft_fit(b: int) -> tuple[float, float]:  # (per token, per step): one fit per batch
+            return fit_draft_cost(draft_phase[b])
+
+        time_draft = (lambda b: draft_fit(b)[0]) if speculative else None
+        time_draft_step = (lambda b: draft_fit(b)[1]) if speculative else None
         proposer = self.proposer
         if speculative and not proposer.proposes_full_k:
             # A lookup finds no match in the synthetic prompt's continuation and would propose
