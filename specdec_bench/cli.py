@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", nargs="*", type=int, default=[1, 4, 16, 64, 128])
     p.add_argument("--acceptances", nargs="*", type=float, default=[0.5, 0.8, 0.95])
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run with small shapes")
+    p.add_argument("--reps", type=int, default=1, help="interleaved plain/spec runs per point (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (small shapes: see BENCHMARKS.md)")
     p.set_defaults(func=_gpu)
 
     args = parser.parse_args(argv)

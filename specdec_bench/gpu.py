@@ -9,6 +9,7 @@ costs calibrated on the device. Sized to finish in under 8 minutes on one H100/H
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 import torch
@@ -73,6 +74,8 @@ def run_gpu(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("specdec-bench gpu needs a CUDA device (or --device cpu for a smoke run)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     vocab = args.vocab
@@ -104,13 +107,18 @@ def run_gpu(args) -> dict:
                 sync()
                 return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
             timed(0), timed(args.k)  # warm-up
-            plain, _ = timed(0)
-            spec, outs = timed(args.k)
+            plains, specs, outs = [], [], []
+            for _ in range(args.reps):  # interleaved, so a slow spell of the machine hits both modes
+                plains.append(timed(0)[0])
+                tok_s, rep_outs = timed(args.k)
+                specs.append(tok_s)
+                outs += rep_outs
+            plain, spec = statistics.median(plains), statistics.median(specs)
             judged = sum(sum(o.stats.proposed_per_position) for o in outs)
             measured_a = sum(o.stats.accepted for o in outs) / judged if judged else 0.0
             pred = model.plain_time_per_token(b) / model.spec_time_per_token(b, args.k, measured_a)
             rows.append({"acceptance_target": a, "acceptance": measured_a, "batch": b, "k": args.k,
-                         "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
+                         "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain, "runs": args.reps,
                          "predicted_speedup": pred, "cost_ratio": model.cost_ratio(b)})
             print(f"a={a} b={b}: plain {plain:.0f} spec {spec:.0f} tok/s speedup {spec / plain:.2f} "
                   f"(pred {pred:.2f}) measured a {measured_a:.2f}  [{time.time() - t_start:.0f}s]", flush=True)

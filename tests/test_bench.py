@@ -59,3 +59,20 @@ def test_predict_writes_regime_map(tmp_path):
     for s in data["scenarios"]:
         assert len(s["speedup"]) == len(data["acceptances"])
         assert all(len(row) == len(data["batches"]) for row in s["speedup"])
+
+
+def test_oracle_sweep_on_cpu_sets_acceptance(tmp_path):
+    """The GPU script's sweep runs on CPU at small shapes (hidden 256: its draft is a quarter as
+    wide), and its oracle draft sets acceptance: a = 0 proposes only wrong tokens, a = 1 only the
+    target's own greedy tokens."""
+    main(["gpu", "--device", "cpu", "--hidden", "256", "--layers", "2", "--vocab", "256", "--context", "16",
+          "--new-tokens", "24", "--batches", "1", "2", "--acceptances", "0", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "regimes_gpu.json").read_text())
+    assert {"machine", "config", "costs", "rows"} <= set(data)
+    by_a = {}
+    for row in data["rows"]:
+        assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"])
+        assert row["predicted_speedup"] > 0 and row["runs"] == 1
+        by_a.setdefault(row["acceptance_target"], []).append(row["acceptance"])
+    assert max(by_a[0.0]) == 0.0
+    assert min(by_a[1.0]) > 0.8
