@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_prompts, machine_facts
 from specdec_core import Engine, SamplingParams
-from specdec_core.costmodel import CostModel
+from specdec_core.costmodel import CostModel, StepCosts
 
 MODES = ("plain", "spec", "auto")
 
@@ -136,8 +136,26 @@ def run_group(engine: Engine, cell: Cell, group: list[list[int]], mode: str, see
     return time.perf_counter() - t0, outs
 
 
-def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tuple[float, float]:
-    """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole requests.
+@dataclass
+class Calibration:
+    """Step costs at the cell's batch, context and temperature, and the target's prefill of its
+    prompt, timed at one moment."""
+
+    costs: StepCosts
+    target_prefill_s: float
+
+
+def calibrate_cell(engine: Engine, cell: Cell, prompt_len: int) -> Calibration:
+    context_len = prompt_len + cell.max_new_tokens // 2
+    costs = engine.calibrate(batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})), context_len=context_len,
+                             temperature=cell.temperature)
+    return Calibration(costs, engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2))
+
+
+def predict(cell: Cell, spec_outs: list, prompt_len: int, calibrations: list[Calibration]) -> tuple[float, float]:
+    """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole requests: the
+    median over calibrations taken before, during and after the cell's runs (this machine's speed
+    drifts by up to a quarter within a minute, and one snapshot put a cell 21% off).
 
     Decode costs are calibrated through the engine's own step phases at the cell's batch, context
     and temperature (on a synthetic prompt; sampling costs more per step than greedy). The traffic
@@ -156,20 +174,20 @@ def predict(engine: Engine, cell: Cell, spec_outs: list, prompt_len: int) -> tup
     for o in spec_outs:
         for k, n in enumerate(o.stats.proposal_lengths):
             steps_by_k[k] = steps_by_k.get(k, 0) + n
-    context_len = prompt_len + cell.max_new_tokens // 2
-    costs = engine.calibrate(batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})), context_len=context_len,
-                             temperature=cell.temperature)
-    model = CostModel(costs)
-    t_plain = model.plain_time_per_token(cell.batch)
-    step_time = sum(n * model.spec_step_time(cell.batch, k) for k, n in steps_by_k.items())
     tokens = sum(len(o.token_ids) for o in spec_outs)  # emitted by those steps (the prefill's step included)
-    t_spec = step_time / tokens if tokens else t_plain
-    target_prefill = engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2)
-    draft_prefill = costs.draft_prefill_s_per_token * prompt_len * cell.batch
     decode = cell.max_new_tokens - 1  # the first token comes from the target's prefill
-    plain = target_prefill + decode * t_plain
-    spec = target_prefill + draft_prefill + decode * t_spec
-    return plain / spec, model.cost_ratio(cell.batch)
+    speedups, ratios = [], []
+    for cal in calibrations:
+        model = CostModel(cal.costs)
+        t_plain = model.plain_time_per_token(cell.batch)
+        step_time = sum(n * model.spec_step_time(cell.batch, k) for k, n in steps_by_k.items())
+        t_spec = step_time / tokens if tokens else t_plain
+        draft_prefill = cal.costs.draft_prefill_s_per_token * prompt_len * cell.batch
+        plain = cal.target_prefill_s + decode * t_plain
+        spec = cal.target_prefill_s + draft_prefill + decode * t_spec
+        speedups.append(plain / spec)
+        ratios.append(model.cost_ratio(cell.batch))
+    return statistics.median(speedups), statistics.median(ratios)
 
 
 def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
@@ -186,7 +204,10 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     groups = [prompts[start : start + cell.batch] for start in range(0, len(prompts), cell.batch)]
     walls = {m: [[] for _ in groups] for m in MODES}  # [mode][group] -> seconds per rep
     tokens = {m: [0] * len(groups) for m in MODES}  # equal in every rep: ignore_eos
+    calibrations = [calibrate_cell(engine, cell, prompt_len)]  # before, half-way and after the reps
     for rep in range(reps):
+        if rep == reps // 2 and rep > 0:
+            calibrations.append(calibrate_cell(engine, cell, prompt_len))
         # Modes take turns group by group (order rotating), so the machine's drift over a cell
         # (other tenants, clocks) falls on all three alike instead of on whichever ran last.
         for g, group in enumerate(groups):
@@ -202,7 +223,8 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
             ms_tok[mode].append(1000 * wall / len(groups) / (sum(tokens[mode]) / len(prompts)))
     spec_outs, auto_outs = outs_by_mode["spec"], outs_by_mode["auto"]
     acceptance = judged_acceptance(spec_outs)
-    predicted, ratio = predict(engine, cell, spec_outs, prompt_len)
+    calibrations.append(calibrate_cell(engine, cell, prompt_len))
+    predicted, ratio = predict(cell, spec_outs, prompt_len, calibrations)
     # Each group's median over reps: a burst from another tenant hits one group run, not a whole rep.
     med = {m: sum(tokens[m]) / sum(statistics.median(w) for w in walls[m]) for m in MODES}
     verify_steps = sum(o.stats.verify_steps for o in auto_outs)
