@@ -164,8 +164,11 @@ class RouteState:
         (``StepDrift``). The calibration times engine steps; a served step also pays the replica's
         loop and streaming, which a speculative step spreads over several tokens, so served
         speculation can pay where the engine-step costs say it does not."""
-        verify, plain_steps = int(stats.get("verify_steps") or 0), int(stats.get("plain_steps") or 0)
-        if pool not in ("plain", "colocated") or seconds_per_token <= 0 or (verify and plain_steps):
+        verify = int(stats.get("verify_steps") or 0)
+        # plain_steps counts the prefill's pass, and a fixed-K request may end on a K=0 step (its
+        # token budget): one such decode step still leaves the request a K-token one.
+        plain_decode = max(0, int(stats.get("plain_steps") or 0) - 1)
+        if pool not in ("plain", "colocated") or seconds_per_token <= 0 or (verify and plain_decode > 1):
             return  # the separate loop pays hops; a request that changed K has no single step shape
         k = round(stats["proposed_tokens"] / verify) if verify else 0
         measured = seconds_per_token * (float(stats.get("mean_acceptance_length") or 1.0) if verify else 1.0)
@@ -212,7 +215,9 @@ class RouteState:
         return {
             "draft": self.draft_name,
             "costs": {"source": self.costs_source, "calibrated": self.calibrated,
-                      "hop_overhead_s": dict(self.costs.hop_overhead_s), "batches": list(self.costs.batches)},
+                      "hop_overhead_s": dict(self.costs.hop_overhead_s), "batches": list(self.costs.batches),
+                      # served / calibrated step time per batch bucket (log2), learnt from finished requests
+                      "drift": {b: dataclasses.asdict(d) for b, d in self.drift.buckets.items()}},
             "k_max": self.k_max,
             "pools": {p: dataclasses.asdict(load) for p, load in loads.items()},
             "classes": out,

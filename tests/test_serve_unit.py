@@ -17,6 +17,7 @@ from deployments.session_router import SessionAffinityRouter, owner
 from specdec_core import SamplingParams
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.costmodel import StepCosts
+from specdec_core.stats import RequestStats
 
 ALL = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
 
@@ -127,6 +128,10 @@ def test_glue_observe_and_regimes_map():
         assert c["choice"]["pool"] in ("plain", "colocated") and c["choice"]["regime"]
     assert m["classes"][1]["choice"]["pool"] == "colocated"  # batch 1: the load of the pool is ignored
     assert st.realised_speedup(1, 0.007) == pytest.approx(2.0)
+    assert m["costs"]["drift"] == {}
+    st.observe_timing("plain", 1, {"verify_steps": 0, "plain_steps": 9}, 1.2 * st.cost_model.plain_time_per_token(1))
+    drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+    assert drift[0]["plain_steps"] == 1 and drift[0]["plain"] > 1.0 and drift[0]["spec_steps"] == 0
 
 
 def test_prior_costs_and_hops():
@@ -276,6 +281,18 @@ def test_specdec_calibrate_cli(tiny_models, tmp_path):
     assert costs.target_time(1, 1) > 0 and costs.draft_time(1) > 0
 
 
+def _served_stats(k: int, decode_steps: int, budget_tail: bool = False, plain_decode: int = 0) -> dict:
+    """A finished request's stats as the engine records them: the prefill's pass counts as a plain
+    step; K=k decode steps accepting 2 of k each; optional K=0 decode steps."""
+    stats = RequestStats()
+    stats.record_verify(0, 0)  # the prefill
+    for _ in range(decode_steps):
+        stats.record_verify(k, min(2, k))
+    for _ in range(plain_decode + budget_tail):
+        stats.record_verify(0, 0)
+    return stats.as_dict()
+
+
 def test_served_step_times_correct_the_routing():
     """At batch 9 the engine-step costs send auto traffic to the plain pool. Served plain requests
     then measure 2.5x their calibrated step (the serving loop's per-step cost; more than an engine's
@@ -285,11 +302,12 @@ def test_served_step_times_correct_the_routing():
     loads = {**ALL, "colocated": PoolLoad(active=8), "separate": PoolLoad(active=12)}
     assert route(loads, state=st).pool == "plain"
     cm, batch = st.cost_model, loads["colocated"].joined_batch()
-    plain = {"verify_steps": 0, "plain_steps": 40}
-    spec = {"verify_steps": 10, "plain_steps": 0, "proposed_tokens": 40, "mean_acceptance_length": 3.0}
+    plain = _served_stats(k=0, decode_steps=40)
+    spec = _served_stats(k=4, decode_steps=10, budget_tail=True)  # ends on a K=0 step: still a K=4 request
+    assert spec["plain_steps"] == 2 and spec["mean_acceptance_length"] == 3.0
     for _ in range(30):
         st.observe_timing("separate", batch, spec, 1.0)  # hops: not a step-cost drift
-        st.observe_timing("colocated", batch, {**spec, "plain_steps": 5}, 1.0)  # K changed mid-request
+        st.observe_timing("colocated", batch, _served_stats(k=4, decode_steps=10, plain_decode=5), 1.0)  # K changed
     assert route(loads, state=st).pool == "plain"
     for _ in range(30):
         st.observe_timing("plain", batch, plain, 2.5 * cm.calibrated_step_time(batch, 0))
