@@ -63,12 +63,20 @@ def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
     return ids
 
 
-def stop_index(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest stop string starts in ``text``; only the newest text can hold a new one."""
-    window = max(len(s) for s in stops) + 8
-    tail_start = max(0, len(text) - window)
-    hits = [i for s in stops if (i := text.find(s, tail_start)) >= 0]
-    return min(hits) if hits else None
+def stop_index(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the output is cut: the start of the stop string that is completed first in ``text``
+    (smallest end; at a tie the longer stop), among occurrences starting at or after ``start``.
+    Generation stops as soon as a stop appears, so a longer stop that would only complete later
+    never counts, however the text is split into tokens. None if no stop occurs."""
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits)[1] if hits else None
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that could still begin a stop string: those characters
+    are held back from the stream until the next tokens show whether the stop follows."""
+    return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
+               default=0)
 
 
 class RequestState:
@@ -107,8 +115,11 @@ class RequestState:
             self.tokens.append(token)
             self.output_ids.append(token)
             if self.params.stop:
+                # A stop may span tokens, or sit inside one long token with text on either side:
+                # search every start a new character could complete.
+                searched = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
                 self.text += detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
-                if stop_index(self.text, self.params.stop) is not None:
+                if stop_index(self.text, self.params.stop, searched) is not None:
                     self.finish("stop")
                     return
             if len(self.output_ids) >= self.params.max_new_tokens:
@@ -130,8 +141,11 @@ class RequestState:
             self.text += detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
         self.stats.output_tokens = len(self.output_ids)
         new_ids = self.output_ids[self._sent_tokens :]
-        new_text = self.text[self._sent_text :]
-        self._sent_tokens, self._sent_text = len(self.output_ids), max(self._sent_text, len(self.text))
+        visible = len(self.text)
+        if self.params.stop and not self.finished:  # a partial stop is never streamed
+            visible -= stop_prefix_len(self.text, self.params.stop)
+        new_text = self.text[self._sent_text : visible]
+        self._sent_tokens, self._sent_text = len(self.output_ids), max(self._sent_text, visible)
         return RequestOutput(
             self.request_id, list(self.output_ids), self.text, self.finished, self.finish_reason, self.stats,
             new_ids, new_text,

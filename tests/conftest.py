@@ -60,6 +60,26 @@ def build_model(path: str, tokenizer, num_layers: int, seed: int, hidden: int = 
     return path
 
 
+def build_noisy_copy(src: str, dst: str, noise: float, seed: int) -> str:
+    """A draft that agrees with the target ``src`` only partly: its weights plus Gaussian noise of
+    ``noise`` times each tensor's standard deviation (0.05 gives acceptance ~0.35 at T=1, top-k 8)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std())
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def noisy_draft(tiny_models, tmp_path_factory):
+    return build_noisy_copy(tiny_models["target"], str(tmp_path_factory.mktemp("noisy") / "draft"), 0.05, seed=0)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Paths of a 3-layer target and a 1-layer draft sharing one tokenizer."""
@@ -68,3 +88,37 @@ def tiny_models(tmp_path_factory):
     target = build_model(str(root / "target"), tok, num_layers=3, seed=0)
     draft = build_model(str(root / "draft"), tok, num_layers=1, seed=1)
     return {"target": target, "draft": draft}
+
+
+def exact_marginals(model_path: str, prompt: list[int], depth: int, temperature: float, top_k: int, top_p: float
+                    ) -> list[torch.Tensor]:
+    """The processed target distribution of output tokens 1..depth, marginalised exactly over the
+    tokens before them (HF forwards over the whole support tree; small for top-k sampling)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec_core.sampling import process_logits
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    knobs = (torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([top_k]))
+
+    @torch.no_grad()
+    def dist(ids):
+        return process_logits(model(torch.tensor([ids])).logits[0, -1:], *knobs)[0]
+
+    marginals, paths = [], [(prompt, 1.0)]
+    for _ in range(depth):
+        level = torch.zeros(model.config.vocab_size)
+        next_paths = []
+        for ids, weight in paths:
+            p = dist(ids)
+            level += weight * p
+            next_paths += [(ids + [t], weight * p[t].item()) for t in p.nonzero().flatten().tolist()]
+        marginals.append(level)
+        paths = next_paths
+    return marginals
+
+
+def expected_tv(p: torch.Tensor, n: int) -> float:
+    """Mean total-variation distance of an n-sample histogram from its own distribution p
+    (normal approximation of each bin's |error|)."""
+    return 0.5 * torch.sqrt(2 * p * (1 - p) / (torch.pi * n)).sum().item()

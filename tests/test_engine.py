@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM
 from specdec_core import Engine, SamplingParams
 from specdec_core.proposers import NgramProposer
 
+from conftest import exact_marginals, expected_tv
+
 PROMPTS = [
     "It is a truth universally acknowledged",
     "def fibonacci(n):",
@@ -94,22 +96,24 @@ def test_seeded_sampling_is_deterministic(engine):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
-def test_sampled_speculative_follows_plain_distribution(engine):
-    """End to end at T=1 with top_k=4: the second output token's histogram matches plain decoding's."""
-    n, prompt = 480, [7, 3, 11]
-
-    def histogram(mode):
-        params = [
-            SamplingParams(max_new_tokens=2, temperature=1.0, top_k=4, seed=1000 * (mode == "spec") + i,
-                           num_speculative_tokens=3 if mode == "spec" else 0)
-            for i in range(n)
-        ]
-        outs = engine.generate([prompt] * n, params=params)
-        second = torch.tensor([o.token_ids[1] for o in outs if len(o.token_ids) == 2])
-        return torch.bincount(second, minlength=engine.target.vocab_size).float() / len(second)
-
-    tv = 0.5 * (histogram("spec") - histogram("plain")).abs().sum().item()
-    assert tv < 0.15, tv
+def test_sampled_speculation_follows_the_target_distribution(tiny_models, noisy_draft):
+    """Lossless sampling through the engine at T=1 with top-k and top-p: output tokens 2 and 3,
+    produced by a K=3 verify against a draft that agrees only partly with the target (accepted,
+    recovered and bonus tokens all occur), follow the target's exact marginals. The bound (2x the
+    sampling noise) separates the correct sampler (measured ~1.0x) from one that draws the
+    recovered token from p instead of norm(max(0, p - q)) (~3x) or accepts every draft token (~10x)."""
+    n, prompt, knobs = 3000, [7, 3, 11], dict(temperature=1.0, top_k=8, top_p=0.9)
+    engine = Engine.from_pretrained(tiny_models["target"], noisy_draft, max_batch_size=64, max_model_len=64)
+    params = [SamplingParams(max_new_tokens=5, seed=i, num_speculative_tokens=3, ignore_eos=True, **knobs)
+              for i in range(n)]
+    outs = engine.generate([prompt] * n, params=params)
+    proposed, accepted = sum(o.stats.proposed for o in outs), sum(o.stats.accepted for o in outs)
+    assert proposed >= 3 * n and 0.1 < accepted / proposed < 0.9  # speculated; accepts and rejects both
+    assert sum(o.stats.accepted_per_position[2] for o in outs) > 20  # all 3 accepted: bonus tokens too
+    for position, exact in list(enumerate(exact_marginals(tiny_models["target"], prompt, 3, **knobs)))[1:]:
+        hist = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=exact.numel()) / n
+        tv = 0.5 * (hist - exact).abs().sum().item()
+        assert tv < 2 * expected_tv(exact, n), (position, tv, expected_tv(exact, n))
 
 
 def test_kv_cache_is_preallocated_and_slots_return(engine):

@@ -1,6 +1,7 @@
 """Pool autoscaling under a fake clock, and the Ray Serve 2.60 policy entry points."""
 
 import pytest
+from ray.serve import config as serve_config
 
 from autoscaling.scaling import (
     PoolAutoscalingPolicy,
@@ -55,8 +56,6 @@ def test_state_passes_through_unknown_keys():
 
 
 # ---- Ray Serve 2.60 entry points (no cluster needed) ----
-
-serve_config = pytest.importorskip("ray.serve.config")
 
 
 def context(ongoing, target_replicas, now, state, metrics=None, **config):

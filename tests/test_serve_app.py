@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,6 +72,36 @@ def app_args(models: dict, calibration_file: str | None = None) -> dict:
     }
 
 
+# A request without ignore_eos must end at EOS on every path. The random tiny target never emits
+# its EOS token early, so the served copy of it also lists as EOS (generation_config.json, read by
+# the engines and the router alike) the token its greedy output for EOS_PROMPT has at EOS_AT.
+EOS_PROMPT, EOS_AT = [9, 4, 21], 5
+
+
+def greedy_ids(model_path: str, prompt: list[int], n: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def with_extra_eos(target: str, tmp_path_factory) -> str:
+    import shutil
+
+    from transformers import GenerationConfig
+
+    ids = greedy_ids(target, EOS_PROMPT, EOS_AT + 1)
+    assert ids[EOS_AT] not in ids[:EOS_AT]
+    path = str(tmp_path_factory.mktemp("eos") / "target")
+    shutil.copytree(target, path)
+    config = GenerationConfig.from_pretrained(path)
+    config.eos_token_id = [config.eos_token_id, ids[EOS_AT]]
+    config.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -81,15 +112,17 @@ def server(tiny_models, tmp_path_factory):
     from deployments.app import build_app
     from deployments.calibrate import record, save_calibration
 
+    models = {**tiny_models, "target": with_extra_eos(tiny_models["target"], tmp_path_factory)}
     calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
-    save_calibration(calibration, record(synthetic_costs(), tiny_models["target"], tiny_models["draft"], "cpu"))
+    save_calibration(calibration, record(synthetic_costs(), models["target"], models["draft"], "cpu"))
     port, metrics_port = _free_port(), _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(tiny_models, calibration)), name=APP, route_prefix="/")
+        serve.run(build_app(app_args(models, calibration)), name=APP, route_prefix="/")
         yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP),
+               "target": models["target"],
                "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
     finally:
         serve.shutdown()
@@ -222,6 +255,11 @@ def test_stop_string_identical_across_paths(client):
     for name, out in outs.items():
         assert out["finish_reason"] == "stop", name
         assert out["text"] == ref[: ref.find(stop)], name
+        body = {"model": "tiny", "prompt": "In the beginning", "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True, "stop": [stop], "stream": True, "speculation": PATHS[name]}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == out["text"], name
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -267,6 +305,64 @@ def test_concurrent_greedy_equal_solo(server, client):
     # session affinity on the real path: every separate session opened on exactly one Target replica
     opened = sum(r["sessions_opened"] for r in after["target"]) - sum(r["sessions_opened"] for r in before["target"])
     assert opened == paths.count("separate")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_eos_ends_a_served_request(server, client, stream):
+    want = greedy_ids(server["target"], EOS_PROMPT, EOS_AT)
+    for name, spec in PATHS.items():
+        body = {"model": "tiny", "prompt": EOS_PROMPT, "max_tokens": 20, "temperature": 0,
+                "return_token_ids": True, "stream": stream, "speculation": spec}
+        if stream:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+            ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            ids, finish = choice["token_ids"], choice["finish_reason"]
+        assert (ids, finish) == (want, "stop"), name
+
+
+def test_requests_run_to_max_model_len(client):
+    """max_tokens that fills the context exactly is served whole on every path."""
+    prompt = [7, 3, 11, 5]
+    for name, spec in PATHS.items():
+        out = complete(client, prompt=prompt, max_tokens=MAX_LEN - len(prompt), speculation=spec)
+        assert out["usage"]["completion_tokens"] == MAX_LEN - len(prompt), name
+        assert out["choices"][0]["finish_reason"] == "length", name
+
+
+def test_sampled_output_follows_the_target_distribution_on_every_path(server):
+    """T=1 with top-k and top-p: the second output token's histogram over 300 seeded requests per
+    path matches the target's exact marginal (a path that ignored temperature, top-k or top-p, or
+    sampled from the draft, would be off by several times the sampling noise)."""
+    from conftest import exact_marginals, expected_tv
+
+    n, prompt, knobs = 300, [7, 3, 11], dict(temperature=1.0, top_k=8, top_p=0.9)
+    exact = exact_marginals(server["target"], prompt, 2, **knobs)[1]
+
+    async def sample(spec):
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            limit = asyncio.Semaphore(12)
+
+            async def one(seed):
+                async with limit:
+                    r = await ac.post("/v1/completions", json={
+                        "model": "tiny", "prompt": prompt, "max_tokens": 3, "seed": seed, "ignore_eos": True,
+                        "return_token_ids": True, "speculation": spec, **knobs})
+                    assert r.status_code == 200, r.text
+                    return r.json()
+            return await asyncio.gather(*(one(seed) for seed in range(n)))
+
+    for name, spec in PATHS.items():
+        outs = asyncio.run(sample(spec))
+        if name != "plain":
+            assert all(o["speculation"]["proposed_tokens"] == 1 for o in outs), name  # token 2 was verified
+        hist = torch.bincount(torch.tensor([o["choices"][0]["token_ids"][1] for o in outs]),
+                              minlength=exact.numel()) / n
+        tv = 0.5 * (hist - exact).abs().sum().item()
+        assert tv < 2 * expected_tv(exact, n), (name, tv, expected_tv(exact, n))
 
 
 def test_sampling_seeded_reproducible(client):
@@ -472,15 +568,26 @@ def test_overload_503_and_disconnect_frees_everything(server):
         assert complete(c, max_tokens=3)["usage"]["completion_tokens"] == 3
 
 
-def test_nonstream_client_timeout_frees_everything(server):
-    """A non-streamed request whose client gives up: Serve cancels the handler, the engine aborts
-    (co-located) or the router releases both sides (separate)."""
+def test_nonstream_client_gone_frees_everything(server):
+    """A non-streamed request whose client gives up mid-generation: Serve cancels the handler, the
+    engine aborts (co-located) or the router releases both sides (separate). The client leaves once
+    the router reports the request running, not after a fixed time."""
     before = stats(server)
-    for spec in (COLOCATED, SEPARATE):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server["url"] + "/v1/completions", timeout=httpx.Timeout(60, read=0.5), json={
+
+    async def leave_mid_generation(spec, pool):
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            call = asyncio.create_task(ac.post("/v1/completions", json={
                 "model": "tiny", "prompt": "It is a truth", "max_tokens": 400, "temperature": 0,
-                "ignore_eos": True, "speculation": spec})
+                "ignore_eos": True, "speculation": spec}))
+            while not (await asyncio.to_thread(stats, server))["router"]["active"][pool]:
+                assert not call.done(), "the request finished before the client could leave"
+                await asyncio.sleep(0.05)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    for spec, pool in ((COLOCATED, "colocated"), (SEPARATE, "separate")):
+        asyncio.run(leave_mid_generation(spec, pool))
     after = wait_idle(server, timeout=60)
     assert sum(r["aborted"] for r in after["colocated"]) == sum(r["aborted"] for r in before["colocated"]) + 1
     assert after["router"]["separate_aborted"] == before["router"]["separate_aborted"] + 1
