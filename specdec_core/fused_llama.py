@@ -6,6 +6,7 @@ the kernel that suits its token count (``linear.Projection``), and none of the p
 machinery. For small models on CPU that framework overhead is most of a step (DESIGN.md: ~1.2 ms
 per layer at batch 1), and it sets the draft/target cost ratio c. The original module parameters
 are re-pointed at slices of the fused tensors, so the HF modules keep working on the same memory.
+Each layer takes its own attention mask from the runner, so Mistral's sliding window holds here too.
 """
 
 from __future__ import annotations
@@ -56,14 +57,15 @@ class FusedLlamaLayers:
                 layer.input_layernorm.weight, qkv, o_proj, layer.post_attention_layernorm.weight, gate_up, down,
             ))
 
-    def __call__(self, hidden, pos_emb, mask, cache):
-        # hidden: [B, Q, H]; pos_emb: (cos, sin) each [B, Q, head_dim]; mask: [B, 1, Q, kv_len] bool
+    def __call__(self, hidden, pos_emb, masks, cache):
+        # hidden: [B, Q, H]; pos_emb: (cos, sin) each [B, Q, head_dim];
+        # masks: one [B, 1, Q, kv_len] bool (or None: every column) per layer
         batch, q_len, width = hidden.shape
         cos, sin = (t.unsqueeze(2) for t in pos_emb)  # [B, Q, 1, head_dim]
         gqa = self.num_kv_heads != self.num_heads
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk_width = (heads + kv_heads) * dim
-        for idx, (ln_attn, qkv, o_proj, ln_mlp, gate_up, down) in enumerate(self.layers):
+        for idx, ((ln_attn, qkv, o_proj, ln_mlp, gate_up, down), mask) in enumerate(zip(self.layers, masks)):
             x = qkv(F.rms_norm(hidden, (width,), ln_attn, self.eps))  # [B, Q, (heads + 2 kv_heads) * D]
             # RoPE on queries and keys in one pass: they sit side by side in the fused output.
             qk = x[..., :qk_width].view(batch, q_len, heads + kv_heads, dim)

@@ -6,6 +6,11 @@ owns the batching: one forward takes many sequences, each feeding its own number
 (1 for a plain step, p pending + K draft tokens for a verify, a whole prompt for a prefill) at its
 own position. Rows only ever attend to their own slot, so concurrent sequences never see each
 other's state.
+
+Every layer attends as the family's transformers model has it attend: full causal, or a sliding
+window of the last W positions, through a per-layer mask (the cache keeps every position; a window
+only hides the old ones). A checkpoint whose config asks for something this does not reproduce
+(another RoPE type, logit soft-capping, an unknown layer type) is refused at load instead of run wrong.
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ from specdec_core.linear import Projection
 # Decoder-only families whose base model is embed -> rotary -> layers(cache=...) -> norm -> lm_head,
 # the structure this runner drives directly.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3")
+# RoPE variants whose cos/sin depend on the position alone, so one table serves every row of every
+# forward. "dynamic" is one here: it rescales only past max_position_embeddings, which max_len never
+# exceeds. "longrope" is not: it switches factors on the longest sequence of a forward, which a batch
+# of requests at different lengths cannot reproduce per request.
+POSITION_ONLY_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# The families whose transformers model picks each layer's mask by config.layer_types.
+LAYER_TYPES_FAMILIES = ("qwen2", "qwen3", "smollm3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def default_device() -> torch.device:
@@ -40,6 +53,42 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def layer_types(cfg) -> list[str]:
+    """Each layer's attention kind, as the family's transformers model picks its mask.
+
+    | family                 | sliding layers                                      |
+    |------------------------|-----------------------------------------------------|
+    | mistral                | all, when sliding_window is set (no layer_types)    |
+    | qwen2, qwen3, smollm3  | those layer_types marks "sliding_attention"         |
+    | llama, granite, olmo2  | none: their models never build a sliding mask       |
+    """
+    n = cfg.num_hidden_layers
+    if cfg.model_type == "mistral":
+        return ["sliding_attention" if cfg.sliding_window is not None else "full_attention"] * n
+    if cfg.model_type in LAYER_TYPES_FAMILIES:
+        return list(cfg.layer_types)
+    return ["full_attention"] * n
+
+
+def unsupported_features(model: PreTrainedModel) -> list[str]:
+    """What of a supported family's config the runner would not reproduce exactly; empty if nothing."""
+    cfg = model.config
+    found = []
+    rope_type = model.model.rotary_emb.rope_type
+    if rope_type not in POSITION_ONLY_ROPE_TYPES:
+        found.append(f"rope_type {rope_type!r} (supported: {', '.join(POSITION_ONLY_ROPE_TYPES)})")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            found.append(f"{name}={getattr(cfg, name)} (logit soft-capping)")
+    types = layer_types(cfg)
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        found.append(f"layer_types {unknown} (supported: {', '.join(LAYER_TYPES)})")
+    if "sliding_attention" in types and cfg.sliding_window is None:
+        found.append("sliding_attention layers without a sliding_window")
+    return found
+
+
 class ModelRunner:
     """Batched, ragged forward steps for one model over its own slot KV cache."""
 
@@ -48,6 +97,11 @@ class ModelRunner:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model type {model_type!r} is not supported by the runner; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        unsupported = unsupported_features(model)
+        if unsupported:
+            raise ValueError(
+                f"{name}: {model_type} config features the runner does not support: {'; '.join(unsupported)}"
             )
         self.model = model.eval()
         self.name = name
@@ -67,17 +121,22 @@ class ModelRunner:
             if tied:  # keep the tie: the embedding reads the same memory
                 self._embed.weight = model.lm_head.weight
         cfg = model.config
+        # Each layer's sliding window (None: full causal attention), and the distinct windows to mask for.
+        self._windows = [cfg.sliding_window if t == "sliding_attention" else None for t in layer_types(cfg)]
+        self._sliding = sorted(set(self._windows) - {None})
+        # Granite scales outside its modules: embeddings up in GraniteModel, logits down in GraniteForCausalLM.
+        granite = model_type == "granite"
+        self._embedding_multiplier = cfg.embedding_multiplier if granite else 1.0
+        self._logits_scaling = cfg.logits_scaling if granite else 1.0
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         max_positions = getattr(cfg, "max_position_embeddings", max_len)
         self.max_len = min(max_len, max_positions)
-        # Static RoPE variants depend on the position only: look cos/sin up instead of recomputing
-        # them every forward (HF's rotary module is ~45 us of a ~0.8 ms draft step on CPU).
-        self._rope_table = None
-        if getattr(self._rotary, "rope_type", "default") not in ("dynamic", "longrope"):
-            positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
-            cos, sin = self._rotary(torch.empty(0, dtype=self.dtype, device=self.device), positions)
-            self._rope_table = (cos[0], sin[0])  # each [max_len, head_dim]
+        # Every accepted RoPE variant depends on the position only: look cos/sin up instead of
+        # recomputing them every forward (HF's rotary module is ~45 us of a ~0.8 ms draft step on CPU).
+        positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
+        cos, sin = self._rotary(torch.empty(0, dtype=self.dtype, device=self.device), positions)
+        self._rope_table = (cos[0], sin[0])  # each [max_len, head_dim]
         self.cache = SlotKVCache(
             cfg.num_hidden_layers, max_slots, kv_heads, head_dim, self.max_len, self.dtype, self.device
         )
@@ -163,7 +222,9 @@ class ModelRunner:
         row_len = self.cache.max_len + 1  # a slot's rows in the flat cache, trash column included
         # Index data is built in Python and sent as one tensor each: a forward runs in ~0.5-2 ms
         # here, and every small tensor op it saves is ~2 us.
-        positions = [[length + c for c in range(q_max)] for length in lengths]  # [B][Q]
+        # [B][Q]: padding repeats its row's last position, so its query sees a non-empty sliding window
+        # and looks up a RoPE row inside the table.
+        positions = [[length + min(c, n - 1) for c in range(q_max)] for length, n in zip(lengths, q)]
         write_rows = [
             slot * row_len + (pos if c < n else self.cache.max_len)  # padding writes to the trash column
             for slot, n, row in zip(slots, q, positions) for c, pos in enumerate(row)
@@ -171,11 +232,7 @@ class ModelRunner:
         ids = torch.tensor([list(toks) + [0] * (q_max - len(toks)) for toks in new_tokens], device=dev)  # [B, Q]
         positions_t = torch.tensor(positions, device=dev)  # [B, Q]
         kv_len = max(length + n for length, n in zip(lengths, q))
-        # A query at position t sees its own cache columns 0..t: causal within the row, nothing of
-        # other rows. One new token per row at a common length sees every column: no mask.
-        mask = None
-        if q_max > 1 or min(lengths) != max(lengths):
-            mask = torch.arange(kv_len, device=dev).view(1, 1, 1, -1) <= positions_t.view(batch, 1, q_max, 1)
+        masks = self._layer_masks(positions_t, kv_len, ragged=q_max > 1 or min(lengths) != max(lengths))
         start = slots[0]
         contiguous = slots == list(range(start, start + batch))
         self.cache.layout = StepLayout(
@@ -186,15 +243,13 @@ class ModelRunner:
         )
         # The fused stack's embedding is a plain lookup: skip the module call.
         hidden = F.embedding(ids, self._embed.weight) if self._fused is not None else self._embed(ids)  # [B, Q, H]
-        if self._rope_table is not None:
-            at = positions_t.clamp(max=self.max_len - 1)  # padding columns may run past the end
-            pos_emb = (self._rope_table[0][at], self._rope_table[1][at])
-        else:
-            pos_emb = self._rotary(hidden, positions_t)
+        if self._embedding_multiplier != 1.0:
+            hidden = hidden * self._embedding_multiplier
+        pos_emb = (self._rope_table[0][positions_t], self._rope_table[1][positions_t])
         if self._fused is not None:
-            hidden = self._fused(hidden, pos_emb, mask, self.cache)
+            hidden = self._fused(hidden, pos_emb, masks, self.cache)
         else:
-            for layer in self._layers:
+            for layer, mask in zip(self._layers, masks):
                 hidden = layer(
                     hidden, attention_mask=mask, position_ids=positions_t, cache=self.cache, position_embeddings=pos_emb
                 )
@@ -204,6 +259,23 @@ class ModelRunner:
         for slot, n in zip(slots, q):
             self._lengths[slot] += n
         return self._logits(hidden, q, num_logits)
+
+    def _layer_masks(self, positions: torch.Tensor, kv_len: int, ragged: bool) -> list[torch.Tensor | None]:
+        # positions: [B, Q] -> per layer, a [B, 1, Q, kv_len] bool mask, or None: attend to every column.
+        # A query at position t sees its own cache columns 0..t: causal within the row, nothing of
+        # other rows. One new token per row at a common length sees every column: no mask.
+        # A sliding layer of window W sees only columns t-W+1..t, its own included: transformers'
+        # sliding_window_overlay (kv_idx > q_idx - W) over the W-1 past tokens its sliding cache keeps.
+        # Until a step reaches column W nothing falls out of a window: such layers attend like full ones.
+        sliding = [w for w in self._sliding if kv_len > w]
+        if not ragged and not sliding:
+            return [None] * self.num_layers
+        cols = torch.arange(kv_len, device=positions.device).view(1, 1, 1, -1)
+        rows = positions.view(positions.shape[0], 1, positions.shape[1], 1)
+        causal = cols <= rows
+        by_window = {w: causal & (cols > rows - w) for w in sliding}
+        full = causal if ragged else None
+        return [by_window.get(w, full) for w in self._windows]
 
     def _logits(self, hidden: torch.Tensor, q: list[int], num_logits: list[int]) -> torch.Tensor:
         # hidden: [B, Q, H] -> [B, max(num_logits), V] logits at each row's last num_logits positions
@@ -220,7 +292,10 @@ class ModelRunner:
             normed = F.rms_norm(picked, (picked.shape[-1],), self._norm.weight, self._norm.variance_epsilon)
         else:
             normed = self._norm(picked)
-        return self._lm_head(normed).float()
+        logits = self._lm_head(normed)
+        if self._logits_scaling != 1.0:
+            logits = logits / self._logits_scaling
+        return logits.float()
 
     # ---- calibration -------------------------------------------------------------------------
 
