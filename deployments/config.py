@@ -138,6 +138,12 @@ class AppConfig(BaseModel):
     default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion that gives none (OpenAI: 16).")
     chat_default_max_tokens: int = Field(256, ge=1, description="max_tokens of a chat completion that gives none "
                                                                 "(capped by the context left after the prompt).")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; a larger one gets 413 before "
+                                "it is read (a full context of text is a few KB).")
+    max_header_bytes: int = Field(32 << 10, ge=1024, description="Largest total size of a request's headers; "
+                                  "above it 431.")
+    api_key: str | None = Field(None, description="If set, every /v1 endpoint requires `Authorization: Bearer "
+                                "<api_key>` (OpenAI style, as vLLM's --api-key); /health stays open. Null: no key.")
 
     # ---- deployments ------------------------------------------------------------------------------
     router: DeploymentOptions = Field(
@@ -185,6 +191,12 @@ class AppConfig(BaseModel):
             "target": resolve_model_path(self.target),
             "draft": resolve_model_path(self.draft) if self.draft else None,
             "calibration_file": resolve_model_path(self.calibration_file) if self.calibration_file else None})
+
+
+def model_label(path: str | None) -> str | None:
+    """A model's name for clients, metrics and logs: the last part of its path or hub name, never
+    the filesystem path."""
+    return Path(path).name if path else None
 
 
 def resolve_model_path(path: str) -> str:

@@ -17,7 +17,7 @@ import torch
 from ray import serve
 
 from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, device_kind, load_calibration
-from deployments.config import AppConfig
+from deployments.config import AppConfig, model_label
 from specdec_core import AsyncEngine, Engine, SamplingParams
 from specdec_core.acceptance import AcceptanceTracker
 
@@ -73,7 +73,7 @@ class EngineReplica:
         sampled = None  # a calibration file holds greedy costs; sampled requests are then priced by them
         if cfg.calibration_file:
             self._costs = load_calibration(cfg.calibration_file, cfg.target, cfg.draft, device)
-            self._costs_source = f"file:{cfg.calibration_file}" if self._costs else None
+            self._costs_source = f"file:{model_label(cfg.calibration_file)}" if self._costs else None
         if self._costs is None and cfg.calibrate_on_start:
             batches = tuple(b for b in DEFAULT_BATCHES if b <= cfg.max_batch_size)
             qs = tuple(q for q in DEFAULT_QS if q <= cfg.k_max + 1)

@@ -33,21 +33,20 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from autoscaling.routing import PoolLoad, RequestFeatures, RoutingDecision, RoutingError, RoutingThresholds
-from deployments import schemas
-from deployments.config import AppConfig
+from deployments import api, schemas
+from deployments.api import APIError, app, bad_request, internal_error_message, sse_event
+from deployments.config import AppConfig, model_label
 from deployments.metrics import RouterMetrics
 from deployments.regimes import POOLS, Route, RouteState, objective_of
 from deployments.session_router import pinned_gather
@@ -68,41 +67,6 @@ def choose_route(state: RouteState, features: RequestFeatures, loads: Mapping[st
     (``RouteState`` builds the context). Explicit fields win; mode "auto" speculates where the
     cost model predicts a speedup at the batch the request joins. Raises ``RoutingError`` (400)."""
     return state.decide(features, loads)
-
-
-# ---- API errors -----------------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(schemas.error_body(self.message, self.type, self.param, self.code), status_code=self.status)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative decoding service")
-
-
-@app.exception_handler(APIError)
-async def _api_error(request: Request, exc: APIError):
-    return exc.response()
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError):
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in errors)
-    return JSONResponse(schemas.error_body(message or "invalid request", "invalid_request_error",
-                                           ".".join(loc) or None, "invalid_value"), status_code=400)
 
 
 # ---- the separate topology's request state ----------------------------------------------------------
@@ -178,13 +142,9 @@ class _Plan:
 async def _failed(response) -> bool:
     try:
         await response
-    except Exception:  # noqa: BLE001
+    except Exception:
         return True
     return False
-
-
-def _sse_event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 # ---- the ingress deployment ------------------------------------------------------------------------------
@@ -220,12 +180,12 @@ class Router:
                                  getattr(model_cfg, "max_position_embeddings", None) or self.cfg.max_model_len)
         try:
             gen_cfg = GenerationConfig.from_pretrained(self.cfg.target)
-        except Exception:  # noqa: BLE001 - checkpoints without generation_config.json
+        except Exception:
             gen_cfg = None
         self.eos_ids = eos_token_ids(self.tokenizer, gen_cfg)
         tracker = AcceptanceTracker(self.cfg.acceptance_prior, self.cfg.acceptance_prior_weight,
                                     self.cfg.acceptance_half_life_tokens)
-        self.route_state = RouteState(self.cfg.draft, tracker, self.cfg.k_max, self.cfg.default_k,
+        self.route_state = RouteState(model_label(self.cfg.draft), tracker, self.cfg.k_max, self.cfg.default_k,
                                       self.max_model_len, self.cfg.separate_hop_overhead_s,
                                       RoutingThresholds(margin=self.cfg.route_margin))
         self._costs_retry_at = 0.0
@@ -235,6 +195,13 @@ class Router:
         self._draft_failures = 0
         self._background: set[asyncio.Task] = set()
         self._created = schemas.now()
+        self._ready_at: float | None = None  # when Serve first reported the whole app RUNNING
+        self._ready_checked = 0.0
+        self._app_name = serve.get_replica_context().app_name
+        # The tokenizer runs off the event loop, in one thread: a fast tokenizer must not be used
+        # from two threads at once ("Already borrowed").
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        api.configure(self.cfg.max_body_bytes, self.cfg.max_header_bytes, self.cfg.api_key)
         self.metrics = RouterMetrics()
         logger.info("Router ready: pools=%s separate=%s max_len=%d", list(self._pools), self._target is not None,
                     self.max_model_len)
@@ -242,11 +209,18 @@ class Router:
     # ---- HTTP endpoints ----------------------------------------------------------------------------
 
     @app.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        """200 once every deployment of the app is RUNNING (replicas started, co-located ones
+        calibrated), 503 before: a client that waits for 200 never queues behind start-up."""
+        if not await self._ready():
+            raise APIError(503, "the service is starting: its model replicas are not all running yet",
+                           "server_error", None, "starting")
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(self) -> dict:
+        if not await self._ready():
+            raise APIError(503, "the service is starting", "server_error", None, "starting")
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": self._created,
                                             "owned_by": "specdec-serve", "max_model_len": self.max_model_len}]}
 
@@ -262,40 +236,66 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, body: schemas.CompletionRequest):
-        if body.echo:
-            raise bad_request("echo is not supported", "echo")
-        if body.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
-        if body.best_of not in (None, 1):
-            raise bad_request("best_of > 1 is not supported", "best_of")
-        if body.suffix:
-            raise bad_request("suffix is not supported", "suffix")
+        self._check_request(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self._encode(prompt)
+            ids = await self._off_loop(self._encode, prompt)
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size}); got {bad[:5]}", "prompt",
+                raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt",
                                   "invalid_token_id")
-        return await self._serve(body, ids, body.max_tokens, self.cfg.default_max_tokens, chat=False)
+        return await self._serve(body, ids, body.max_tokens, self.cfg.default_max_tokens, chat=False,
+                                 request_id=api.current_request_id())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: schemas.ChatCompletionRequest):
-        if body.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
+        self._check_request(body)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
-        ids = self._encode_chat(messages)
+        ids = await self._off_loop(self._encode_chat, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._serve(body, ids, max_tokens, self.cfg.chat_default_max_tokens, chat=True)
+        return await self._serve(body, ids, max_tokens, self.cfg.chat_default_max_tokens, chat=True,
+                                 request_id=api.current_request_id())
+
+    def _check_request(self, body) -> None:
+        """What can be refused before any work: overload (503 at once), unsupported OpenAI fields."""
+        self._check_capacity()
+        field = body.unsupported_field()
+        if field is not None:
+            raise bad_request(f"{field} is not supported by this server", field, "unsupported_parameter")
+        if body.n != 1:
+            raise bad_request("only n=1 is supported", "n")
+
+    def _check_capacity(self) -> None:
+        if self._inflight >= self.cfg.max_inflight_requests:
+            self.metrics.rejected.inc(tags={"status": "503"})
+            raise APIError(503, f"server overloaded: {self._inflight} requests in flight "
+                                f"(max_inflight_requests={self.cfg.max_inflight_requests}); retry later",
+                           "server_error", None, "overloaded")
+
+    async def _off_loop(self, fn, arg):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, arg)
+
+    async def _ready(self) -> bool:
+        """Whether Serve reports this app RUNNING; asked at most every 0.5 s until it first does."""
+        if self._ready_at is None and time.monotonic() - self._ready_checked > 0.5:
+            self._ready_checked = time.monotonic()
+            try:
+                status = await asyncio.to_thread(serve.status)
+                app_status = status.applications.get(self._app_name)
+                if app_status is not None and app_status.status == "RUNNING":
+                    self._ready_at = time.monotonic()
+            except Exception:
+                logger.warning("serve.status() failed", exc_info=True)
+        return self._ready_at is not None
 
     # ---- handle-only methods (tests, operators) ---------------------------------------------------------
 
@@ -351,12 +351,11 @@ class Router:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self._encode(text)
 
-    def _plan(self, body, ids: list[int], max_tokens: int | None, default_max: int, chat: bool) -> _Plan:
+    def _plan(self, body, ids: list[int], max_tokens: int | None, default_max: int, chat: bool,
+              request_id: str) -> _Plan:
         if body.model is not None and body.model != self.cfg.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.cfg.model_name!r}",
                            "invalid_request_error", "model", "model_not_found")
-        if body.n != 1:
-            raise bad_request("only n=1 is supported", "n")
         if not ids:
             raise bad_request("the prompt is empty", "messages" if chat else "prompt")
         stops = body.stop_list()
@@ -387,8 +386,12 @@ class Router:
                                 top_k=body.top_k, seed=body.seed, stop=tuple(stops), ignore_eos=body.ignore_eos,
                                 num_speculative_tokens=decision.k, adaptive_k=route.adaptive,
                                 domain=body.user or "default")
+        try:
+            params.validate()  # the engine's own admission check, so no request reaches a step it would fail
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
         prefix = "chatcmpl" if chat else "cmpl"
-        return _Plan(schemas.new_id(prefix), ids, params, decision, self.cfg.model_name, chat,
+        return _Plan(f"{prefix}-{request_id}", ids, params.normalized(self.vocab_size), decision, self.cfg.model_name, chat,
                      body.return_token_ids, bool(body.stream_options and body.stream_options.include_usage),
                      pool=route.pool, batch=route.batch, adaptive=route.adaptive, traffic_class=cls,
                      requested_mode=spec.mode)
@@ -413,15 +416,12 @@ class Router:
             self.route_state.set_costs(StepCosts.from_dict(got["costs"]), got["source"])
             logger.info("routing on step costs %s", got["source"])
 
-    async def _serve(self, body, ids, max_tokens, default_max, chat: bool):
+    async def _serve(self, body, ids, max_tokens, default_max, chat: bool, request_id: str):
         if body.speculation is None or body.speculation.mode == "auto":
             await self._ensure_costs()
+        self._check_capacity()  # again: tokenizing and fetching costs awaited
         try:
-            plan = self._plan(body, ids, max_tokens, default_max, chat)
-            if self._inflight >= self.cfg.max_inflight_requests:
-                raise APIError(503, f"server overloaded: {self._inflight} requests in flight "
-                                    f"(max_inflight_requests={self.cfg.max_inflight_requests}); retry later",
-                               "server_error", None, "overloaded")
+            plan = self._plan(body, ids, max_tokens, default_max, chat, request_id)
         except APIError as exc:
             self.metrics.rejected.inc(tags={"status": str(exc.status)})
             raise
@@ -443,11 +443,9 @@ class Router:
                 last = d
         except APIError:
             raise
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
-        except Exception as exc:
+        except Exception:
             logger.exception("request %s failed", plan.request_id)
-            raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error") from None
+            raise APIError(500, internal_error_message(plan.request_id), "server_error") from None
         finally:
             await deltas.aclose()
         stats = last["stats"] if last and last["stats"] else RequestStats().as_dict()
@@ -463,7 +461,7 @@ class Router:
         deltas = self._execute(plan)
         try:
             if plan.chat:
-                yield _sse_event(schemas.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+                yield sse_event(schemas.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
             async for d in deltas:
                 n_out += len(d["token_ids"])
                 ids = d["token_ids"] if plan.return_token_ids else None
@@ -475,21 +473,20 @@ class Router:
                     else:
                         chunk = schemas.completion_chunk(rid, created, model, d["text"], d["finish_reason"], ids)
                     chunk["speculation"] = spec
-                    yield _sse_event(chunk)
+                    yield sse_event(chunk)
                     if plan.include_usage:
-                        yield _sse_event({"id": rid, "object": chunk["object"], "created": created, "model": model,
+                        yield sse_event({"id": rid, "object": chunk["object"], "created": created, "model": model,
                                     "choices": [], "usage": schemas.usage(len(plan.prompt_ids), n_out),
                                     "speculation": spec})
                 elif d["text"] or d["token_ids"]:
                     if plan.chat:
-                        yield _sse_event(schemas.chat_chunk(rid, created, model, {"content": d["text"]}, None, ids))
+                        yield sse_event(schemas.chat_chunk(rid, created, model, {"content": d["text"]}, None, ids))
                     else:
-                        yield _sse_event(schemas.completion_chunk(rid, created, model, d["text"], None, ids))
+                        yield sse_event(schemas.completion_chunk(rid, created, model, d["text"], None, ids))
             yield "data: [DONE]\n\n"
-        except Exception as exc:
+        except Exception:
             logger.exception("stream %s failed", rid)
-            status = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
-            yield _sse_event(schemas.error_body(f"{type(exc).__name__}: {exc}", status))
+            yield sse_event(schemas.error_body(internal_error_message(rid), "server_error"))
             yield "data: [DONE]\n\n"
         finally:
             admission.release()  # first: the await below can be interrupted by a second cancellation

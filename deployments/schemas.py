@@ -3,18 +3,23 @@ extension, and builders for the response / stream-chunk bodies.
 
 Supported: n=1, max_tokens, temperature, top_p, seed, stop, stream (+ stream_options.include_usage),
 user. Extensions (vLLM-style): top_k, ignore_eos, return_token_ids, and
-``speculation: {mode, num_speculative_tokens, topology, objective}``. Unknown fields are ignored, as the
-OpenAI API does for fields it does not know; fields we know but do not support (n > 1, best_of > 1,
-echo, logprobs) are rejected with 400 by the router.
+``speculation: {mode, num_speculative_tokens, topology, objective}``. Unknown fields are ignored;
+OpenAI fields we do not implement (n > 1, best_of > 1, echo, logprobs, logit_bias, suffix,
+penalties, tools, ...: ``_UNSUPPORTED_DEFAULTS``) are refused with a 400 naming the field unless
+they hold their "unused" value. Text must be valid Unicode; stop strings are non-empty.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from specdec_core.request import MAX_INT32
+
+MAX_STOP_CHARS = 256
 
 
 class SpeculationOptions(BaseModel):
@@ -39,15 +44,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _utf8(text: str) -> str:
+    """A lone surrogate (JSON "\\ud800") is a str in Python but no text: refuse it here, not in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return text
+
+
+Utf8Str = Annotated[str, AfterValidator(_utf8)]
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
+
+# OpenAI fields this server does not implement, with the values that mean "not used": any other
+# value is refused with a 400 naming the field (rather than silently ignored).
+_UNSUPPORTED_DEFAULTS: dict[str, tuple] = {
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "logprobs": (None, False, 0),
+}
+
+
 class _GenerationFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, known unsupported ones refused
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int = Field(0, ge=0, le=MAX_INT32, description="0: no limit; above the vocabulary: no limit.")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: StopStr | list[StopStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -60,24 +89,25 @@ class _GenerationFields(BaseModel):
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return [s for s in stops if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def unsupported_field(self) -> str | None:
+        """The first OpenAI field set to a value this server does not implement, or None."""
+        fields = {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
+        return next((name for name, allowed in _UNSUPPORTED_DEFAULTS.items()
+                     if name in fields and fields[name] not in allowed), None)
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Utf8Str | list[int] | list[Utf8Str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Utf8Str
+    content: Utf8Str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -88,15 +118,14 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"unsupported content part type {part.get('type')!r}: only text")
-            parts.append(str(part.get("text", "")))
+            parts.append(_utf8(str(part.get("text", ""))))
         return "".join(parts)
 
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
 
 
 # ---- responses ------------------------------------------------------------------------------------

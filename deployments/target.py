@@ -98,15 +98,35 @@ class Target:
             items.append(VerifyItem(sid, hist, prop, float(smp["temperature"]), float(smp["top_p"]),
                                     int(smp.get("top_k", 0)), sess.generator))
             index.append(i)
-        if items:
-            for i, item, res in zip(index, items, self.verifier.verify(items)):
-                sess = self._sessions[item.seq_id]
-                sess.steps += 1
-                sess.proposed += res.num_proposed
-                sess.accepted += res.num_accepted
-                sess.emitted += len(res.emitted)
-                results[i] = {"emitted": res.emitted, "num_proposed": res.num_proposed,
-                              "num_accepted": res.num_accepted}
+        for i, item, res in zip(index, items, self._verify_isolated(items)):
+            if isinstance(res, _Failed):
+                results[i] = res
+                continue
+            sess = self._sessions[item.seq_id]
+            sess.steps += 1
+            sess.proposed += res.num_proposed
+            sess.accepted += res.num_accepted
+            sess.emitted += len(res.emitted)
+            results[i] = {"emitted": res.emitted, "num_proposed": res.num_proposed,
+                          "num_accepted": res.num_accepted}
+        return results
+
+    def _verify_isolated(self, items: list[VerifyItem]) -> list:
+        """One batched verify; if it fails, each item again on its own, so that only the sessions
+        that fail alone get a ``_Failed`` (the verifier's cache reconciles on the retry)."""
+        if not items:
+            return []
+        try:
+            return self.verifier.verify(items)
+        except Exception:
+            logger.exception("verify of %d sessions failed; retrying them one at a time", len(items))
+        results = []
+        for item in items:
+            try:
+                results += self.verifier.verify([item])
+            except Exception:
+                logger.exception("session %s fails verify on its own", item.seq_id)
+                results.append(_Failed(f"session {item.seq_id}: verify failed"))
         return results
 
     async def release(self, session_id: str) -> bool:

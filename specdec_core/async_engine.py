@@ -15,6 +15,10 @@ from specdec_core.engine import Engine, RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class RequestFailed(RuntimeError):
+    """This request alone failed an engine step (the others in its batch went on)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -41,6 +45,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise RequestFailed(f"request {rid} failed in the engine (see the replica log)")
                 yield item
         finally:
             self._streams.pop(rid, None)

@@ -261,6 +261,7 @@ class Engine:
     ) -> str:
         """Queue a request (thread-safe); it joins the batch at the next step boundary."""
         params.validate()
+        params = params.normalized(self.target.vocab_size)
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -317,6 +318,21 @@ class Engine:
             req = self._waiting.popleft()
             self._running.append(req)
             admitted.append(req)
+        try:
+            self._prefill_and_decode(admitted, decoding, timing)
+        except Exception:
+            logger.exception("engine step failed; retrying its %d request(s) one at a time",
+                             len(admitted) + len(decoding))
+            self._isolate_failure(admitted, decoding)
+        timing.total_s = time.perf_counter() - t0
+        self.last_step = timing
+        for req in decoding:
+            req.stats.decode_s += timing.total_s - timing.prefill_s
+        outputs += [r.output(stream_text) for r in admitted + decoding]
+        self._running = [r for r in self._running if r.finish_reason is None]
+        return outputs
+
+    def _prefill_and_decode(self, admitted: list[_Request], decoding: list[_Request], timing: StepTiming) -> None:
         if admitted:
             t = time.perf_counter()
             self._verify_and_commit(admitted, [Proposal([], None)] * len(admitted))
@@ -327,13 +343,22 @@ class Engine:
                 req.stats.first_token_s = req.stats.prefill_s
         if decoding:
             self._decode(decoding, timing)
-        timing.total_s = time.perf_counter() - t0
-        self.last_step = timing
-        for req in decoding:
-            req.stats.decode_s += timing.total_s - timing.prefill_s
-        outputs += [r.output(stream_text) for r in admitted + decoding]
-        self._running = [r for r in self._running if r.finish_reason is None]
-        return outputs
+
+    def _isolate_failure(self, admitted: list[_Request], decoding: list[_Request]) -> None:
+        """A failed step fails only the requests that fail alone: each is retried as a step of its
+        own. Retrying is safe because the caches reconcile against each request's history
+        (``SequenceSlots.sync``); rows the failed step already committed simply take another step."""
+        for req in admitted + decoding:
+            if req.finished:
+                continue
+            alone = [req]
+            try:
+                self._prefill_and_decode(alone if req in admitted else [], alone if req in decoding else [],
+                                         StepTiming())
+            except Exception:
+                logger.exception("request %s fails a step on its own; it ends with an error", req.request_id)
+                req.finish("error")
+                self._release(req)
 
     def _decode(self, rows: list[_Request], timing: StepTiming) -> None:
         batch = len(rows)

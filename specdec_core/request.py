@@ -6,12 +6,16 @@ both paths stop and detokenize identically.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_core.detokenizer import DetokenizerState, detokenize_incrementally
 from specdec_core.stats import RequestStats
+
+MAX_INT32 = 2**31 - 1
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it decode greedily
 
 
 @dataclass
@@ -28,16 +32,30 @@ class SamplingParams:
     domain: str = "default"  # traffic-class key for acceptance statistics (e.g. the OpenAI `user`)
 
     def validate(self) -> None:
+        """Refuse settings a step could not run (ValueError), so that one request cannot fail the
+        batch it would share."""
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature <= 100:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k must be in [0, {MAX_INT32}], got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # torch.Generator's seed range
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+
+
+    def normalized(self, vocab_size: int) -> SamplingParams:
+        """The settings a step actually applies: a temperature below ``GREEDY_BELOW`` is greedy
+        (dividing logits by it would overflow to inf and NaN), a top_k past the vocabulary is no limit."""
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+        top_k = 0 if self.top_k >= vocab_size else self.top_k
+        return dataclasses.replace(self, temperature=temperature, top_k=top_k)
 
 
 @dataclass
@@ -46,7 +64,7 @@ class RequestOutput:
     token_ids: list[int]  # every output token so far (EOS excluded)
     text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stats: RequestStats
     new_token_ids: list[int]  # tokens added since this request's previous output
     new_text: str
@@ -90,7 +108,7 @@ class RequestState:
         self.tokens = list(prompt_ids)  # prompt + output: the authoritative history
         self.output_ids: list[int] = []
         self.text = ""  # decoded output; final (full decode, stop string cut) once finished
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
         self._detok = DetokenizerState()
         self._sent_tokens = 0

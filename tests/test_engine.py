@@ -3,12 +3,11 @@ stop conditions, fault degradation and input errors."""
 
 import pytest
 import torch
+from conftest import exact_marginals, expected_tv
 from transformers import AutoModelForCausalLM
 
 from specdec_core import Engine, SamplingParams
 from specdec_core.proposers import NgramProposer
-
-from conftest import exact_marginals, expected_tv
 
 PROMPTS = [
     "It is a truth universally acknowledged",
@@ -193,6 +192,39 @@ def test_streamed_deltas_concatenate_to_final(engine):
     assert final.finished and text == final.text and ids == final.token_ids
 
 
+def test_a_request_that_fails_a_step_fails_alone(engine, plain_reference):
+    """One request whose verify raises (a fault injected into the real verifier for its rows only)
+    ends with finish_reason "error"; the requests sharing its steps finish whole and correct."""
+    verify = engine.verifier.verify
+
+    def verify_failing_for_poison(items):
+        if any(item.seq_id == "poison" for item in items):
+            raise RuntimeError("injected fault")
+        return verify(items)
+
+    engine.verifier.verify = verify_failing_for_poison
+    try:
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=24, num_speculative_tokens=3)) for p in PROMPTS]
+        engine.add_request("It is", SamplingParams(max_new_tokens=24, num_speculative_tokens=3), "poison")
+        done = {}
+        while engine.has_work():
+            done.update({o.request_id: o for o in engine.step(stream_text=False) if o.finished})
+    finally:
+        engine.verifier.verify = verify
+    assert done["poison"].finish_reason == "error"
+    assert [done[i].token_ids for i in ids] == plain_reference
+    assert engine.target.num_free_slots == engine.target.num_slots and engine.proposer.num_sequences() == 0
+
+
+def test_extreme_but_valid_settings_decode(engine, plain_reference):
+    """A temperature too small to divide by is greedy; a top_k past the vocabulary is no limit."""
+    tiny_t = engine.generate(PROMPTS, max_new_tokens=24, temperature=1e-300, num_speculative_tokens=3)
+    assert [o.token_ids for o in tiny_t] == plain_reference
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=3, num_speculative_tokens=3)
+    huge_k = engine.generate(PROMPTS, top_k=10**9, **kw)
+    assert [o.token_ids for o in huge_k] == [o.token_ids for o in engine.generate(PROMPTS, top_k=0, **kw)]
+
+
 @pytest.mark.parametrize(
     "params, message",
     [
@@ -201,6 +233,10 @@ def test_streamed_deltas_concatenate_to_final(engine):
         (SamplingParams(top_p=0), "top_p"),
         (SamplingParams(num_speculative_tokens=-1), "num_speculative_tokens"),
         (SamplingParams(max_new_tokens=500), "context limit"),
+        (SamplingParams(top_k=2**64), "top_k"),
+        (SamplingParams(seed=2**64), "seed"),
+        (SamplingParams(seed=-(2**63) - 1), "seed"),
+        (SamplingParams(stop=("",)), "stop"),
     ],
 )
 def test_bad_params_raise(engine, params, message):

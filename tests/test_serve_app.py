@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -522,6 +523,76 @@ def test_errors(client):
     # the server still answers, correctly
     out = complete(client, max_tokens=4)
     assert out["usage"]["completion_tokens"] == 4
+
+
+INTERNALS = re.compile(r"Traceback|File \"|\.py\b|site-packages|\bpid\b|[Aa]ctor|\b\d{1,3}(\.\d{1,3}){3}\b|"
+                       + re.escape(str(ROOT)))
+HOSTILE = [  # (what, request kwargs for client.request, expected status)
+    ("top_k 2**64 sampled", {"json": {"prompt": "x", "top_k": 2**64, "temperature": 0.7}}, 400),
+    ("top_k past the vocabulary", {"json": {"prompt": "x", "top_k": 10**9, "temperature": 0.7}}, 200),
+    ("temperature 1e-300", {"json": {"prompt": "x", "temperature": 1e-300}}, 200),
+    ("seed 2**64", {"json": {"prompt": "x", "seed": 2**64, "temperature": 0.7}}, 400),
+    ("lone surrogate prompt", {"content": b'{"model": "tiny", "prompt": "a\\ud800b"}'}, 400),
+    ("lone surrogate chat", {"content": b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                             "url": "/v1/chat/completions"}, 400),
+    ("invalid UTF-8", {"content": b'{"model": "tiny", "prompt": "\xff\xfe"}'}, 400),
+    ("empty stop", {"json": {"prompt": "x", "stop": [""]}}, 400),
+    ("logit_bias", {"json": {"prompt": "x", "logit_bias": {"5": 10}}}, 400),
+    ("tools", {"json": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+               "url": "/v1/chat/completions"}, 400),
+    ("presence_penalty", {"json": {"prompt": "x", "presence_penalty": 1.0}}, 400),
+    ("deeply nested", {"content": b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}"}, 400),
+    ("unparsable", {"content": b"{not json"}, 400),
+    ("GET on a POST endpoint", {"method": "GET"}, 405),
+    ("unknown path", {"url": "/v2/nothing", "method": "GET"}, 404),
+    ("8 MB body", {"json": {"prompt": "word " * (8 << 18)}}, 413),
+    ("64 KB of headers", {"json": {"prompt": "x"}, "headers": {"x-junk": "y" * (64 << 10)}}, 431),
+]
+
+
+def _hostile(client, kw: dict) -> httpx.Response:
+    kw = dict(kw)
+    method, url = kw.pop("method", "POST"), kw.pop("url", "/v1/completions")
+    if "json" in kw:
+        kw["json"] = {"model": "tiny", "max_tokens": 4, **kw["json"]}
+    if "content" in kw:
+        kw["headers"] = {"content-type": "application/json", **kw.get("headers", {})}
+    return client.request(method, url, **kw)
+
+
+def test_hostile_requests_hurt_no_one(server, client):
+    """Hostile and malformed requests get a clean, OpenAI-shaped 4xx (or are served, when valid)
+    with no internals in the answer, while a greedy stream on every path runs alongside and
+    finishes whole with the same text as when served alone; /health keeps answering."""
+    body = {"model": "tiny", "prompt": "It is a truth", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    solo = {name: complete(client, prompt=body["prompt"], max_tokens=60, speculation=spec)["choices"][0]["text"]
+            for name, spec in PATHS.items()}
+
+    async def innocent(name):
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            async with ac.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                                  "speculation": PATHS[name]}) as r:
+                return sse_events([line async for line in r.aiter_lines()])
+
+    async def scenario():
+        streams = [asyncio.create_task(innocent(name)) for name in PATHS]
+        answers = []
+        for what, kw, _ in HOSTILE:
+            answers.append(await asyncio.to_thread(_hostile, client, kw))
+            assert (await asyncio.to_thread(client.get, "/health")).status_code == 200, what
+        return answers, await asyncio.gather(*streams)
+
+    answers, streams = asyncio.run(scenario())
+    for (what, _, status), r in zip(HOSTILE, answers):
+        assert r.status_code == status, (what, r.text[:300])
+        assert r.headers.get("x-request-id"), what
+        assert not INTERNALS.search(r.text), (what, r.text[:300])
+        if status != 200:
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], what
+    for name, events in zip(PATHS, streams):
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), name
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == solo[name], name
 
 
 def test_overload_503_and_disconnect_frees_everything(server):

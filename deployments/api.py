@@ -1,0 +1,197 @@
+"""The HTTP edge of the router: the FastAPI app, OpenAI-shaped errors, and the checks that run
+before a request body is read.
+
+Every answer carries an ``x-request-id`` header. Every error, whatever raised it (our validation,
+pydantic, a body that does not parse, an unknown path or method, a failure inside the stack), is
+OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with a generic message that names
+the request id; tracebacks, file paths, pids, actor ids and addresses go to the server log only,
+under the same id. ``EdgeMiddleware`` (pure ASGI, so it runs before the body is read) answers 413
+for a body over ``max_body_bytes``, 431 for headers over ``max_header_bytes`` and 401 for a /v1
+call without the configured API key.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments import schemas
+
+logger = logging.getLogger("ray.serve")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def internal_error_message(request_id: str) -> str:
+    """What a client learns of a failure inside the stack; the log has the rest under this id."""
+    return f"the server failed to process the request (request id {request_id})"
+
+
+@dataclass
+class EdgeLimits:
+    """The edge's settings; the Router sets them from its config when it starts (``configure``)."""
+
+    max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 32 << 10
+    api_key: str | None = None
+
+
+LIMITS = EdgeLimits()
+
+
+def configure(max_body_bytes: int, max_header_bytes: int, api_key: str | None) -> None:
+    LIMITS.max_body_bytes, LIMITS.max_header_bytes, LIMITS.api_key = max_body_bytes, max_header_bytes, api_key
+
+
+_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+
+def current_request_id() -> str:
+    """The id ``EdgeMiddleware`` gave the HTTP request this task serves (a fresh one outside HTTP)."""
+    return _REQUEST_ID.get() or uuid.uuid4().hex
+
+
+def request_id_of(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or current_request_id()
+
+
+def new_request_id(scope) -> str:
+    rid = uuid.uuid4().hex
+    scope.setdefault("state", {})["request_id"] = rid
+    _REQUEST_ID.set(rid)
+    return rid
+
+
+def _error_response(status: int, message: str, type_: str, param=None, code=None,
+                    headers: dict | None = None) -> JSONResponse:
+    """The middleware adds the x-request-id header to every answer, these included."""
+    return JSONResponse(schemas.error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+class EdgeMiddleware:
+    """Request id, header and body size limits, API key: all decided from the ASGI scope and the
+    body's chunks as they arrive, so an oversized or unauthorised request costs no parse."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = new_request_id(scope)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + [(b"x-request-id", rid.encode())]
+            await send(message)
+
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            logger.info("request %s refused at the edge: %s %s", rid, refusal[0], refusal[1])
+            return await _error_response(*refusal)(scope, receive, send_with_id)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > LIMITS.max_body_bytes:  # a chunked body without content-length
+                    scope["state"]["body_too_large"] = True
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send_with_id)
+        except _BodyTooLarge:
+            await _error_response(*_too_large())(scope, receive, send_with_id)
+
+    @staticmethod
+    def _refusal(scope) -> tuple | None:
+        """(status, message, type, param, code) of a request refused before its body is read."""
+        headers = scope.get("headers", [])
+        if sum(len(k) + len(v) for k, v in headers) > LIMITS.max_header_bytes:
+            return (431, f"request headers exceed {LIMITS.max_header_bytes} bytes", "invalid_request_error", None,
+                    "headers_too_large")
+        values = {k.lower(): v for k, v in headers}
+        length = values.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > LIMITS.max_body_bytes):
+            return _too_large()
+        if LIMITS.api_key and scope.get("path", "").startswith("/v1"):
+            given = values.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {LIMITS.api_key}".encode()):
+                return (401, "invalid or missing API key (Authorization: Bearer <key>)", "invalid_request_error",
+                        None, "invalid_api_key")
+        return None
+
+
+class _BodyTooLarge(Exception):
+    """A chunked body passed the limit while it was being read."""
+
+
+def _too_large() -> tuple:
+    return (413, f"request body exceeds {LIMITS.max_body_bytes} bytes", "invalid_request_error", None,
+            "body_too_large")
+
+
+app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative decoding service")
+app.add_middleware(EdgeMiddleware)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError):
+    return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # pydantic's own message per field, never the input value (it may be huge or hostile)
+    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
+                        for e in errors[:5])
+    return _error_response(400, message or "invalid request", "invalid_request_error", ".".join(loc) or None,
+                           "invalid_value")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """404, 405, and bodies that do not parse (FastAPI raises 400 for those, also for a chunked body
+    that ``EdgeMiddleware`` cut off at the size limit)."""
+    if request.scope.get("state", {}).get("body_too_large"):
+        return _error_response(*_too_large())
+    messages = {400: "the request body is not valid JSON", 404: f"no such endpoint: {request.url.path}",
+                405: f"method {request.method} is not allowed on {request.url.path}"}
+    message = messages.get(exc.status_code, "the request could not be served")
+    return _error_response(exc.status_code, message, "invalid_request_error", None, None,
+                           headers=dict(exc.headers or {}))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception):
+    rid = request_id_of(request)
+    logger.error("request %s failed", rid, exc_info=exc)
+    return _error_response(500, internal_error_message(rid), "server_error")
+
+
+def sse_event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
