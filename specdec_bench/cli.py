@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -29,9 +30,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft", default="draft", help="draft model name under --models")
     p.set_defaults(func=_peers)
 
-    p = sub.add_parser("predict", help="roofline regime map for H100/H200 and Llama pairs")
+    p = sub.add_parser("predict", help="roofline predictions: one configuration, the regime map, or the "
+                                         "published measurements (--published)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--context", type=int, default=512, help="KV context length")
+    p.add_argument("--context", type=int, default=512, help="KV context length (cached tokens per row)")
+    p.add_argument("--published", action="store_true", help="predicted vs SpecDecode-Bench's published points")
+    p.add_argument("--target-config", help="HF config.json of the target: one configuration instead of the map")
+    p.add_argument("--draft-config", help="HF config.json of the draft")
+    p.add_argument("--device", choices=["a100", "h100", "h200"], default="h100")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (draft and target alike)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp8"], default="bf16", help="weight dtype")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--k", type=int, default=None, help="fixed K (the map's default: 3)")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--acceptance", type=float, help="per-token acceptance rate a")
+    given.add_argument("--tau", type=float, help="mean tokens per target pass (accepted drafts + bonus)")
+    p.add_argument("--json", action="store_true", help="print one configuration's answer as one JSON object")
     p.set_defaults(func=_predict)
 
     p = sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
@@ -46,6 +60,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompts", default="prose", help="prompt set under models/prompts")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("overhead", help="in-process engine vs a running server, same prompts, one run")
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--target", type=Path, default=None, help="default: the shipped target")
+    p.add_argument("--draft", type=Path, default=None, help="default: the shipped draft")
+    p.add_argument("--modes", nargs="*", default=["plain", "colocated"], choices=["plain", "colocated"])
+    p.add_argument("--concurrency", nargs="*", type=int, default=[1, 8])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--k", type=int, default=4, help="K of co-located speculation (the server's default_k)")
+    p.add_argument("--prompts", default="prose")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in-process (a replica's torch_threads)")
+    p.set_defaults(func=_overhead)
 
     p = sub.add_parser("gpu", help="CUDA sweep: large random-init shapes, oracle draft of controlled acceptance")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
@@ -94,11 +122,28 @@ def _peers(args) -> None:
 
 
 def _predict(args) -> None:
-    from specdec_bench.predict import predict_markdown, run_predict
-    from specdec_bench.report import plot_predict
+    from specdec_bench import predict
 
-    data = run_predict(args)
-    _emit(args, "predict", data, predict_markdown(data), plot_predict)
+    if args.target_config:
+        if not (args.draft_config and args.k and (args.acceptance is not None or args.tau is not None)):
+            raise SystemExit("one configuration needs --draft-config, --k and --acceptance or --tau")
+        data = predict.predict_one(args)
+        print(json.dumps(data) if args.json else predict.one_markdown(data))
+    elif args.published:
+        data = predict.compare_published()
+        _emit(args, "predict_published", data, predict.published_markdown(data))
+    else:
+        from specdec_bench.report import plot_predict
+
+        data = predict.run_predict(args)
+        _emit(args, "predict", data, predict.predict_markdown(data), plot_predict)
+
+
+def _overhead(args) -> None:
+    from specdec_bench.overhead import overhead_markdown, run_overhead
+
+    data = run_overhead(args)
+    _emit(args, "overhead", data, overhead_markdown(data))
 
 
 def _serve(args) -> None:

@@ -29,9 +29,10 @@ MODES = {
 }
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, speculation: dict) -> dict:
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, speculation: dict,
+                      extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation}
+            "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation, **(extra or {})}
     t0 = time.perf_counter()
     arrivals, final = [], {}
     async with client.stream("POST", "/v1/completions", json=body) as resp:

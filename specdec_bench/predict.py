@@ -1,56 +1,260 @@
-"""`specdec-bench predict`: the roofline cost model's regime map for hardware and model pairs we
-do not have: best-K speedup over (batch size x acceptance) and the break-even batch per
-acceptance, per (device, target/draft) scenario."""
+"""`specdec-bench predict`: the roofline cost model's answers for hardware and model pairs we do not
+have (`specdec_core.roofline`).
+
+- one configuration (`--target-config ... --json`): fixed-K and best-K speedup, step times, the
+  drafting share of a speculative step;
+- the regime map: best-K and fixed-K speedup over (batch x acceptance) and the drafting share, per
+  device and pair;
+- `--published`: the model against SpecDecode-Bench's published draft-model measurements
+  (reference/specdecode_bench.json), the acceptance of each curve implied by its batch-1 point.
+
+Vocabulary: a is the per-token acceptance rate, tau = E_K(a) the mean tokens a target pass emits
+(accepted drafts plus the recovered or bonus token).
+"""
 
 from __future__ import annotations
 
-from specdec_core.costmodel import H100, H200, CostModel, llama3_8b, llama3_70b, llama32_1b, roofline_costs
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec_core.costmodel import CostModel, expected_tokens_per_step
+from specdec_core.roofline import (
+    DEVICES,
+    H100,
+    H200,
+    VLLM,
+    ModelShape,
+    forward_time,
+    prefill_time,
+    roofline_costs,
+)
+
+REFERENCE = Path(__file__).parent / "reference"
+CONFIGS = REFERENCE / "configs"
+PUBLISHED = REFERENCE / "specdecode_bench.json"
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ACCEPTANCES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-PAIRS = {
-    "Llama-3-8B + Llama-3.2-1B": (llama3_8b, llama32_1b),
-    "Llama-3-70B + Llama-3-8B": (llama3_70b, llama3_8b),
+K_MAX = 8
+MAP_K = 3  # the regime map's fixed K when --k is not given: SpecDecode-Bench's (and vLLM examples')
+PAIRS = {  # label: (target config, draft config, tensor parallel degree)
+    "Llama-3-8B + Llama-3.2-1B": ("llama-3-8b.json", "llama-3.2-1b.json", 1),
+    "Llama-3-70B TP4 + Llama-3.2-1B": ("llama-3-70b.json", "llama-3.2-1b.json", 4),
+    "Qwen3-8B + Qwen3-0.6B": ("qwen3-8b.json", "qwen3-0.6b.json", 1),
 }
 
 
+def load_shape(path: str | Path) -> ModelShape:
+    """A HF config.json; a bare name is looked up among the shipped configs."""
+    path = Path(path)
+    return ModelShape.from_hf_config(json.loads((path if path.exists() else CONFIGS / path).read_text()))
+
+
+def acceptance_for_tau(tau: float, k: int) -> float:
+    """The a with E_K(a) = tau (E_K rises with a from 1 to K+1)."""
+    if not 1.0 <= tau <= k + 1:
+        raise ValueError(f"tau must be in [1, K+1] = [1, {k + 1}], got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+# ---- one configuration ----
+
+
+def predict_one(args) -> dict:
+    """One (pair, device, tp, dtype, batch, K, acceptance, context) point; the JSON of `--json`."""
+    if args.k < 1:
+        raise ValueError("--k must be >= 1")
+    a = args.acceptance if args.acceptance is not None else acceptance_for_tau(args.tau, args.k)
+    costs = roofline_costs(load_shape(args.target_config), load_shape(args.draft_config), DEVICES[args.device],
+                           batches=(args.batch,), qs=(1, args.k + 1), context_len=args.context, tp=args.tp,
+                           dtype=args.dtype)
+    return {"device": args.device, "tp": args.tp, "dtype": args.dtype, "batch": args.batch, "k": args.k,
+            "context_len": args.context, "acceptance": a, "tau": expected_tokens_per_step(a, args.k),
+            **_step_answer(CostModel(costs), args.batch, args.k, a)}
+
+
+def _step_answer(model: CostModel, batch: int, k: int, a: float) -> dict:
+    best = model.best_k(batch, a, K_MAX)
+    return {
+        "fixed_k_speedup": _fixed_k_speedup(model, batch, k, a),
+        "best_k": best.k,
+        "best_k_speedup": best.predicted_speedup,
+        "cost_ratio": model.cost_ratio(batch),
+        "plain_step_s": model.plain_time_per_token(batch),
+        "spec_step_s": model.spec_step_time(batch, k),
+        "draft_s": k * model.costs.draft_time(batch),
+        "draft_share": _draft_share(model, batch, k),
+    }
+
+
+def _fixed_k_speedup(model: CostModel, batch: int, k: int, a: float) -> float:
+    """Below 1 where a deployment fixed at K is slower than plain decoding (best K floors at 1)."""
+    return model.plain_time_per_token(batch) / model.spec_time_per_token(batch, k, a)
+
+
+def _draft_share(model: CostModel, batch: int, k: int) -> float:
+    """Drafting's share of one speculative step (K draft passes over the whole step)."""
+    return k * model.costs.draft_time(batch) / model.spec_step_time(batch, k)
+
+
+def one_markdown(d: dict) -> str:
+    return "\n".join([
+        (f"# Predicted step: {d['device']} tp={d['tp']} {d['dtype']}, batch {d['batch']}, K={d['k']}, "
+         f"a={d['acceptance']:.3f} (tau {d['tau']:.2f}), context {d['context_len']}"), "",
+        "| fixed-K speedup | best K | best-K speedup | cost ratio | plain step ms | spec step ms | drafting share |",
+        "|---|---|---|---|---|---|---|",
+        (f"| {d['fixed_k_speedup']:.3f} | {d['best_k']} | {d['best_k_speedup']:.3f} | {d['cost_ratio']:.3f} | "
+         f"{1e3 * d['plain_step_s']:.2f} | {1e3 * d['spec_step_s']:.2f} | {d['draft_share']:.1%} |"), ""])
+
+
+# ---- the regime map ----
+
+
 def run_predict(args) -> dict:
+    k = args.k or MAP_K
     scenarios = []
     for device in (H100, H200):
-        for pair, (target, draft) in PAIRS.items():
-            costs = roofline_costs(target, draft, device, BATCHES, (1, 2, 3, 4, 5, 6, 7, 8, 9),
-                                   context_len=args.context)
-            model = CostModel(costs)
-            grid, ks, break_even = [], [], {}
-            for a in ACCEPTANCES:
-                choices = [model.best_k(b, a, k_max=8) for b in BATCHES]
-                grid.append([round(c.predicted_speedup, 3) for c in choices])
-                ks.append([c.k for c in choices])
-                plain_from = next((b for b, c in zip(BATCHES, choices) if c.k == 0), None)
-                break_even[str(a)] = plain_from
-            scenarios.append({
-                "name": f"{device.name} {pair}",
-                "device": device.name,
-                "pair": pair,
-                "speedup": grid,
-                "best_k": ks,
-                "break_even_batch": break_even,
-                "cost_ratio_b1": model.cost_ratio(1),
-            })
-    return {"batches": list(BATCHES), "acceptances": list(ACCEPTANCES), "context_len": args.context,
+        for pair, (target, draft, tp) in PAIRS.items():
+            costs = roofline_costs(load_shape(target), load_shape(draft), device, BATCHES, range(1, K_MAX + 2),
+                                   context_len=args.context, tp=tp)
+            scenarios.append({"name": f"{device.name} {pair}", "device": device.name, "pair": pair, "tp": tp,
+                              **_regime_map(CostModel(costs), k)})
+    return {"batches": list(BATCHES), "acceptances": list(ACCEPTANCES), "context_len": args.context, "k": k,
             "scenarios": scenarios}
 
 
+def _regime_map(model: CostModel, k: int) -> dict:
+    grid, ks, fixed, break_even = [], [], [], {}
+    for a in ACCEPTANCES:
+        choices = [model.best_k(b, a, k_max=K_MAX) for b in BATCHES]
+        grid.append([round(c.predicted_speedup, 3) for c in choices])
+        ks.append([c.k for c in choices])
+        fixed.append([round(_fixed_k_speedup(model, b, k, a), 3) for b in BATCHES])
+        break_even[str(a)] = next((b for b, c in zip(BATCHES, choices) if c.k == 0), None)
+    return {"speedup": grid, "best_k": ks, "fixed_k_speedup": fixed,
+            "draft_share": [round(_draft_share(model, b, k), 3) for b in BATCHES],
+            "break_even_batch": break_even, "cost_ratio_b1": model.cost_ratio(1)}
+
+
 def predict_markdown(data: dict) -> str:
+    batches, k = data["batches"], data["k"]
+    head = ["| a \\ batch | " + " | ".join(str(b) for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
     lines = ["# Predicted regime map (roofline cost model)", "",
-             f"Context length {data['context_len']}; best K in 1..8 or plain; speedup = plain / best time per token.",
-             ""]
+             (f"Context length {data['context_len']}. Best K in 1..{K_MAX} or plain (never below 1.00), and a "
+              f"fixed K={k} (below 1.00: speculation at that K is slower than plain); speedup = plain / "
+              "speculative time per token."), ""]
     for s in data["scenarios"]:
-        lines += [f"## {s['name']} (cost ratio at batch 1: {s['cost_ratio_b1']:.3f})", "",
-                  "| a \\ batch | " + " | ".join(str(b) for b in data["batches"]) + " |",
-                  "|---" * (len(data["batches"]) + 1) + "|"]
-        for a, row, ks in zip(data["acceptances"], s["speedup"], s["best_k"]):
-            lines.append(f"| {a} | " + " | ".join(f"{v:.2f} (K={k})" for v, k in zip(row, ks)) + " |")
-        lines += ["", "Break-even batch (first batch where plain wins): "
+        lines += [f"## {s['name']} (cost ratio at batch 1: {s['cost_ratio_b1']:.3f})", "", "Best K:", "", *head]
+        lines += [f"| {a} | " + " | ".join(f"{v:.2f} (K={kk})" for v, kk in zip(row, ks)) + " |"
+                  for a, row, ks in zip(data["acceptances"], s["speedup"], s["best_k"])]
+        lines += ["", f"Fixed K={k}:", "", *head]
+        lines += [f"| {a} | " + " | ".join(f"**{v:.2f}**" if v < 1 else f"{v:.2f}" for v in row) + " |"
+                  for a, row in zip(data["acceptances"], s["fixed_k_speedup"])]
+        lines += ["", f"Drafting share of a K={k} step: "
+                  + ", ".join(f"b={b}: {v:.0%}" for b, v in zip(batches, s["draft_share"])),
+                  "", "Break-even batch (first batch where plain wins): "
                   + ", ".join(f"a={a}: {b}" for a, b in s["break_even_batch"].items()), ""]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the model against published measurements ----
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One SpecDecode-Bench run: a batch of identical prompts through prefill and `output_len`
+    decode steps (plain) or output_len / tau speculative steps, the draft's prefill included."""
+
+    target: ModelShape
+    draft: ModelShape
+    tp: int
+    k: int
+    prompt_len: int
+    output_len: int
+
+    @property
+    def context_len(self) -> int:
+        """Mean cached tokens per row over the decode."""
+        return self.prompt_len + self.output_len // 2
+
+    def times(self, batch: int, tau: float) -> tuple[float, float, float]:
+        """(plain run, speculative run, drafting within it), seconds."""
+        costs = roofline_costs(self.target, self.draft, H100, batches=(batch,), qs=(1, self.k + 1),
+                               context_len=self.context_len, tp=self.tp)
+        model = CostModel(costs)
+        prefill_target, prefill_draft = (prefill_time(m, H100, batch, self.prompt_len, self.tp)
+                                         for m in (self.target, self.draft))
+        steps = self.output_len / tau
+        plain = prefill_target + self.output_len * model.plain_time_per_token(batch)
+        spec = prefill_target + prefill_draft + steps * model.spec_step_time(batch, self.k)
+        return plain, spec, prefill_draft + steps * self.k * costs.draft_time(batch)
+
+    def implied_tau(self, speedup_b1: float) -> float:
+        """The tau at which the predicted batch-1 speedup equals the published one (speedup is
+        plain / spec, spec linear in 1 / tau)."""
+        plain, spec_at_1, _ = self.times(1, 1.0)
+        spec_at_inf = self.times(1, float("inf"))[1]
+        return (spec_at_1 - spec_at_inf) / (plain / speedup_b1 - spec_at_inf)
+
+    def speedup(self, batch: int, tau: float) -> float:
+        plain, spec, _ = self.times(batch, tau)
+        return plain / spec
+
+    def forward_ratio(self) -> float:
+        """One draft pass (the proposer's per-pass work included) over the verify forward it feeds,
+        batch 1."""
+        draft = forward_time(self.draft, H100, 1, 1, self.context_len, self.tp) + VLLM.draft_pass_s
+        return draft / forward_time(self.target, H100, self.k + 1, 1, self.context_len, self.tp)
+
+
+def compare_published(path: Path = PUBLISHED) -> dict:
+    """Every published point beside its prediction; errors in percent of the published value."""
+    pub = json.loads(path.read_text())
+    rows, share_rows, ratios = [], [], []
+    for pair_id, pair in pub["pairs"].items():
+        runs = {ds: PublishedRun(load_shape(pair["target"]), load_shape(pair["draft"]), pair["tp"], pub["setup"]["k"],
+                                 lengths["prompt_len"], lengths["output_len"])
+                for ds, lengths in pub["datasets"].items() if ds != "source"}
+        curves = pub["speedups"][pair_id]
+        for ds, points in curves.items():
+            rows += _speedup_rows(runs[ds], pub["speedups"]["batches"], points,
+                                  {"pair": pair["label"], "dataset": pub["datasets"][ds]["label"]})
+        shares = pub["time_shares"]
+        run = runs[shares["dataset"]]
+        tau = run.implied_tau(curves[shares["dataset"]][0])
+        for b, published in zip(shares["batches"], shares[pair_id]["drafting"]):
+            _, spec, drafting = run.times(b, tau)
+            share_rows.append({"pair": pair["label"], "batch": b, "published_pct": published,
+                               "predicted_pct": 100 * drafting / spec})
+        ratios.append({"pair": pair["label"], "published": pub["forward_ratios"][pair_id],
+                       "predicted": run.forward_ratio()})
+    return {"paper": pub["paper"], "k": pub["setup"]["k"], "speedups": rows, "drafting_shares": share_rows,
+            "forward_ratios": ratios, "max_abs_error_pct": max(abs(r["error_pct"]) for r in rows)}
+
+
+def _speedup_rows(run: PublishedRun, batches: list[int], published: list[float], label: dict) -> list[dict]:
+    """One curve: tau from its batch-1 point, then every batch predicted with it."""
+    tau = run.implied_tau(published[0])
+    return [{**label, "batch": b, "tau": tau, "published": p, "predicted": run.speedup(b, tau),
+             "error_pct": 100 * (run.speedup(b, tau) / p - 1)} for b, p in zip(batches, published)]
+
+
+def published_markdown(data: dict) -> str:
+    lines = [f"# Roofline model vs SpecDecode-Bench (draft model, H100, vLLM, K={data['k']})", "", data["paper"], "",
+             "Speedups (Figure 1); tau implied by each curve's batch-1 point:", "",
+             "| pair | dataset | tau | batch | published | predicted | error |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['pair']} | {r['dataset']} | {r['tau']:.2f} | {r['batch']} | {r['published']:.2f} | "
+              f"{r['predicted']:.2f} | {r['error_pct']:+.1f}% |" for r in data["speedups"]]
+    lines += ["", f"Largest error: {data['max_abs_error_pct']:.1f}%", "",
+              "Drafting share of the run (Figure 4, CNN/DailyMail, prefill included):", "",
+              "| pair | batch | published | predicted |", "|---|---|---|---|"]
+    lines += [f"| {r['pair']} | {r['batch']} | {r['published_pct']:.1f}% | {r['predicted_pct']:.1f}% |"
+              for r in data["drafting_shares"]]
+    lines += ["", "Draft pass / verify forward at batch 1:", "", "| pair | published | predicted |", "|---|---|---|"]
+    lines += [f"| {r['pair']} | {r['published']:.3f} | {r['predicted']:.3f} |" for r in data["forward_ratios"]]
     return "\n".join(lines) + "\n"

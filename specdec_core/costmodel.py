@@ -19,8 +19,8 @@ handle calls per step). A K+1-token verify is ~1.5x a plain step at batch 1 and
 speculation lose at large batch.
 
 Costs come either from timing the models (`calibrate`) or, for hardware we do
-not have, from a roofline (`roofline_costs`); both give a `StepCosts` that the
-same `CostModel` answers from. `adaptive_k` re-chooses K per step inside a
+not have, from a roofline (`specdec_core.roofline.roofline_costs`); both give a
+`StepCosts` that the same `CostModel` answers from. `adaptive_k` re-chooses K per step inside a
 speculative replica from the same model. Pure: no I/O, no torch.
 """
 
@@ -375,99 +375,6 @@ def _suffix_min(values: list[float]) -> list[float]:
     for i in range(len(out) - 2, -1, -1):
         out[i] = min(out[i], out[i + 1])
     return out
-
-
-# ---- Roofline: step times for hardware we do not have ----
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """Achievable (not nominal) rates; per_step_overhead_s is launch/framework time per forward."""
-
-    name: str
-    mem_bandwidth_Bps: float
-    flops: float
-    per_step_overhead_s: float = 1e-3
-
-
-# H100 SXM: 3.35 TB/s HBM3 and 989 TFLOP/s bf16 dense nominal, scaled by 0.7, a
-# typical achievable fraction for decode-sized kernels (assumed, not measured here).
-H100 = DeviceSpec("H100", 0.7 * 3.35e12, 0.7 * 989e12)
-# H200: 4.8 TB/s HBM3e (spec sheet, used as is) and ~790 TFLOP/s bf16 measured
-# in a large matmul (DESIGN.md section 3).
-H200 = DeviceSpec("H200", 4.8e12, 790e12)
-# A100 SXM 80GB: 2.04 TB/s and 312 TFLOP/s bf16 nominal, same 0.7 fraction as H100.
-A100 = DeviceSpec("A100", 0.7 * 2.04e12, 0.7 * 312e12)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_params: float
-    num_layers: int
-    hidden_size: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    bytes_per_param: int = 2
-
-    @classmethod
-    def from_hf_config(cls, config: Any) -> ModelShape:
-        """From a HF Llama-style config (object or dict); parameters counted from shapes."""
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-        hidden, layers, vocab = get("hidden_size"), get("num_hidden_layers"), get("vocab_size")
-        heads = get("num_attention_heads")
-        kv_heads = get("num_key_value_heads") or heads
-        head_dim = get("head_dim") or hidden // heads
-        attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
-        mlp = 3 * hidden * get("intermediate_size")  # gate, up, down
-        embed = vocab * hidden * (1 if get("tie_word_embeddings", False) else 2)
-        dtype = str(get("torch_dtype") or get("dtype") or "bfloat16")
-        return cls(
-            num_params=float(layers * (attn + mlp) + embed),
-            num_layers=layers,
-            hidden_size=hidden,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab_size=vocab,
-            bytes_per_param=4 if "float32" in dtype else 2,
-        )
-
-
-llama3_8b = ModelShape(8.03e9, 32, 4096, 8, 128, 128256)
-llama3_70b = ModelShape(70.6e9, 80, 8192, 8, 128, 128256)
-llama32_1b = ModelShape(1.24e9, 16, 2048, 8, 64, 128256)
-
-
-def roofline_step_time(model: ModelShape, device: DeviceSpec, batch: int, q: int, context_len: int) -> float:
-    """max(bytes / bandwidth, flops / flop rate) + overhead for one forward of
-    `batch` rows with `q` new tokens each over `context_len` cached tokens.
-    Bytes: all weights once plus every row's KV cache; flops: 2 per parameter per
-    token plus QK^T and AV over the context."""
-    kv_bytes = batch * context_len * model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.bytes_per_param
-    moved = model.num_params * model.bytes_per_param + kv_bytes
-    tokens = batch * q
-    flops = 2 * model.num_params * tokens + 4 * tokens * context_len * model.num_layers * model.hidden_size
-    return max(moved / device.mem_bandwidth_Bps, flops / device.flops) + device.per_step_overhead_s
-
-
-def roofline_costs(
-    target: ModelShape,
-    draft: ModelShape | None,
-    device: DeviceSpec,
-    batches: Sequence[int] = DEFAULT_BATCHES,
-    qs: Sequence[int] = DEFAULT_QS,
-    context_len: int = 1024,
-    hop_overhead_s: Mapping[str, float] = DEFAULT_HOP_OVERHEAD_S,
-) -> StepCosts:
-    """A StepCosts predicted by the roofline, so CostModel answers for `device`."""
-    return StepCosts(
-        batches=tuple(batches),
-        qs=tuple(qs),
-        target_s=tuple(tuple(roofline_step_time(target, device, b, q, context_len) for q in qs) for b in batches),
-        draft_s=tuple(roofline_step_time(draft, device, b, 1, context_len) if draft else 0.0 for b in batches),
-        hop_overhead_s=dict(hop_overhead_s),
-        source=f"roofline:{device.name}",
-    )
 
 
 def adaptive_k(

@@ -5,11 +5,9 @@ import math
 
 import pytest
 
+from specdec_bench.predict import load_shape
 from specdec_core.costmodel import (
-    H100,
-    H200,
     CostModel,
-    ModelShape,
     StepCosts,
     StepDrift,
     adaptive_k,
@@ -17,11 +15,21 @@ from specdec_core.costmodel import (
     expected_tokens_per_step,
     fit_draft_cost,
     leviathan_speedup,
-    llama3_8b,
-    llama32_1b,
-    roofline_costs,
-    roofline_step_time,
 )
+from specdec_core.roofline import (
+    A100,
+    COMPUTE_EFFICIENCY,
+    H100,
+    H200,
+    MEMORY_EFFICIENCY,
+    VLLM,
+    ModelShape,
+    forward_time,
+    roofline_costs,
+)
+
+llama3_8b = load_shape("llama-3-8b.json")
+llama32_1b = load_shape("llama-3.2-1b.json")
 
 
 def leviathan_costs(c: float, hop: float = 0.0) -> StepCosts:
@@ -170,35 +178,64 @@ def test_calibrate_caps_noise_spikes_by_larger_shapes():
     assert costs.draft_s == (0.8, 0.8)
 
 
-def test_roofline_h200_8b_decode_is_memory_bound():
-    weights = llama3_8b.num_params * 2
-    t = roofline_step_time(llama3_8b, H200, batch=1, q=1, context_len=128) - H200.per_step_overhead_s
-    assert weights / 4.8e12 == pytest.approx(3.35e-3, rel=0.01)  # ~16 GB / 4.8 TB/s
-    assert t == pytest.approx(weights / 4.8e12, rel=0.01)  # KV of 128 tokens is noise
+def test_roofline_batch1_decode_streams_the_weights_once():
+    """Batch-1 decode: the per-layer launch cost plus the streamed weights at the derated bandwidth;
+    one token's compute and 128 tokens of KV add ~1%."""
+    weights = llama3_8b.streamed_params * 2
+    t = forward_time(llama3_8b, H200, tokens=1, rows=1, context_len=128)
+    launch = llama3_8b.num_layers * VLLM.per_layer_s
+    assert weights / 4.8e12 == pytest.approx(3.13e-3, rel=0.01)  # ~15 GB streamed (embedding table aside)
+    assert t - launch == pytest.approx(weights / (MEMORY_EFFICIENCY * 4.8e12), rel=0.02)
 
 
-def test_roofline_turns_compute_bound_at_large_batch_times_q():
-    def terms(batch, q):
-        t = roofline_step_time(llama3_8b, H200, batch, q, context_len=128) - H200.per_step_overhead_s
-        return t, llama3_8b.num_params * 2 / H200.mem_bandwidth_Bps
+def test_roofline_verify_tokens_cost_compute_at_every_batch():
+    """Additive, not max(memory, compute): a K+1-token verify costs K more tokens of compute even at
+    batch 1, where a roofline max() would call them free."""
+    def extra(batch, q):
+        return (forward_time(llama3_8b, H100, batch * q, batch, 128)
+                - forward_time(llama3_8b, H100, batch, batch, 128))
 
-    t, memory = terms(1, 1)
-    assert t == pytest.approx(memory, rel=0.01)
-    t, memory = terms(256, 9)
-    assert t > 2 * memory  # 2304 tokens x 16 GFLOP >> ridge point (~165 FLOP/byte)
-    assert t == pytest.approx(2 * llama3_8b.num_params * 256 * 9 / H200.flops, rel=0.05)
+    per_token = 2 * llama3_8b.streamed_params / (COMPUTE_EFFICIENCY * 989e12)
+    assert extra(1, 4) == pytest.approx(3 * per_token, rel=0.02)
+    assert extra(256, 9) == pytest.approx(256 * 8 * per_token, rel=0.02)
+
+
+def test_roofline_depth_tp_and_dtype():
+    deep = ModelShape(1e9, 64, 1024, 16, 8, 64, 32000, tied_embeddings=True)
+    shallow = ModelShape(1e9, 8, 2048, 16, 8, 128, 32000, tied_embeddings=True)
+    assert forward_time(deep, H100, 1, 1, 0) - forward_time(shallow, H100, 1, 1, 0) == pytest.approx(
+        56 * VLLM.per_layer_s)  # same weights, 8x the layers: small deep drafts are not cheap
+    one, four = (forward_time(llama3_8b, H100, 1, 1, 128, tp=tp) for tp in (1, 4))
+    launch = llama3_8b.num_layers * VLLM.per_layer_s  # every GPU launches every layer
+    all_reduce = 2 * llama3_8b.num_layers * VLLM.all_reduce_s  # 64 of them
+    assert four - launch - all_reduce == pytest.approx((one - launch) / 4, rel=0.01)  # a quarter per GPU
+    bf16, fp8 = (forward_time(llama3_8b, H100, 1, 1, 0, dtype=d) for d in ("bf16", "fp8"))
+    assert fp8 - launch == pytest.approx((bf16 - launch) / 2, rel=0.01)  # half the bytes, twice the FLOP rate
+    assert forward_time(llama3_8b, A100, 1024, 1, 0, dtype="fp8") > forward_time(llama3_8b, A100, 1024, 1, 0) / 2
+
+
+def test_roofline_presets_are_derated_alike():
+    """Same efficiencies for every device: step-time ratios follow the datasheet ratios."""
+    def memory_part(device):
+        return forward_time(llama3_8b, device, 1, 1, 0) - llama3_8b.num_layers * VLLM.per_layer_s
+
+    assert memory_part(H100) / memory_part(H200) == pytest.approx(4.8 / 3.35, rel=0.01)
 
 
 def test_roofline_costs_answer_cost_model_questions():
     cm = CostModel(roofline_costs(llama3_8b, llama32_1b, H100, context_len=512))
     assert cm.costs.source == "roofline:H100"
-    assert 0.1 < cm.cost_ratio(1) < 0.4  # 1.24B vs 8B, both memory bound, plus overhead
+    assert 0.2 < cm.cost_ratio(1) < 0.4  # 1.24B vs 8B, plus the proposer's per-pass work
     assert cm.best_k(1, 0.8).k > 0  # batch-1 decode is memory bound: speculation pays
-    grid = dict(batches=(1, 64, 512, 1024))
+    grid = {"batches": (1, 64, 512, 1024)}
     short = CostModel(roofline_costs(llama3_8b, llama32_1b, H100, context_len=128, **grid))
-    assert short.best_k(1024, 0.6).k == 0  # compute bound: verify tokens are no longer free
+    assert short.best_k(1024, 0.3).k == 0  # verify tokens cost compute: low acceptance loses
+    assert short.spec_time_per_token(1024, 3, 0.6) > short.plain_time_per_token(1024)  # fixed K=3 slows down
     long = CostModel(roofline_costs(llama3_8b, llama32_1b, H100, context_len=4096, **grid))
-    assert long.best_k(1024, 0.6).k > 0  # KV reads keep the target memory bound (MagicDec)
+    # KV reads dominate both models' steps and the draft's cache is 4x smaller (MagicDec)
+    assert long.best_k(1024, 0.6).predicted_speedup > short.best_k(1024, 0.6).predicted_speedup
+    assert short.costs.at_context(4096).target_time(64, 4) == pytest.approx(long.costs.target_time(64, 4))
+    assert short.costs.at_context(4096).draft_time(64) == pytest.approx(long.costs.draft_time(64))
 
 
 def test_model_shape_from_hf_config_matches_preset():
@@ -213,9 +250,11 @@ def test_model_shape_from_hf_config_matches_preset():
         "torch_dtype": "bfloat16",
     }
     shape = ModelShape.from_hf_config(cfg)
-    assert shape.num_params == pytest.approx(llama3_8b.num_params, rel=0.01)
+    assert shape.num_params == pytest.approx(8.03e9, rel=0.01)  # Llama-3-8B
+    assert shape == llama3_8b
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (32, 8, 128)
-    assert shape.bytes_per_param == 2
+    assert shape.dtype == "bf16"
+    assert shape.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
 
 
 def test_model_shape_from_transformers_config():

@@ -1,0 +1,106 @@
+"""`specdec-bench overhead`: what the serving layer costs, side by side in one run.
+
+The same prompts, greedy with a fixed output length, decoded by the in-process ``Engine`` (this
+process, one torch thread, as one replica runs) and by a running server (``--url``, e.g. a fresh
+``serve run serve_config.yaml``) with this process as the load generator: plain and co-located
+speculative (K = the server's default_k), at each concurrency. In-process concurrency c is a batch
+of c requests added together; served concurrency c is c closed-loop clients. Reported per cell:
+tokens/s (both sides and their ratio), in-process time to first token (prefill, queueing
+included) against served TTFT, per-token time, and the CPU share the load generator itself used
+while the server was measured (it shares the machine's cores with the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from specdec_bench.common import MODELS_DIR, load_prompts, machine_facts
+from specdec_bench.load import MODES, one_request
+from specdec_core import Engine, SamplingParams
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def in_process(engine: Engine, prompts: list[str], concurrency: int, k: int, max_tokens: int) -> dict:
+    """Batches of ``concurrency`` requests, one batch after another (a closed loop's steady state)."""
+    tokens, ttft, tpot = 0, [], []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), concurrency):
+        params = [SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
+                  for _ in prompts[start:start + concurrency]]
+        for out in engine.generate(prompts[start:start + concurrency], params=params):
+            tokens += len(out.token_ids)
+            ttft.append(out.stats.first_token_s)
+            tpot.append((out.stats.latency_s - out.stats.first_token_s) / max(1, len(out.token_ids) - 1))
+    wall = time.perf_counter() - t0
+    return {"tok_s": tokens / wall, "ttft_ms": 1000 * statistics.median(ttft),
+            "tpot_ms": 1000 * statistics.median(tpot)}
+
+
+async def served(url: str, model: str, prompts: list[str], concurrency: int, mode: str, max_tokens: int) -> dict:
+    args = type("Args", (), {"max_tokens": max_tokens, "temperature": 0.0})
+    results, queue = [], list(range(len(prompts)))
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async def worker():
+            while queue:
+                i = queue.pop(0)
+                results.append(await one_request(client, model, prompts[i], args, MODES[mode],
+                                                 extra={"ignore_eos": True}))
+
+        cpu0, t0 = _cpu_s(), time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+    if any("error" in r for r in results):
+        raise RuntimeError(f"served {mode} at concurrency {concurrency}: {results}")
+    return {"tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_ms": 1000 * statistics.median(r["ttft"] for r in results),
+            "tpot_ms": 1000 * statistics.median(r["tpot"] for r in results),
+            "load_generator_cpu_share": cpu / wall}
+
+
+def run_overhead(args) -> dict:
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, args.requests)
+    engine = Engine.from_pretrained(str(args.target or MODELS_DIR / "target"), str(args.draft or MODELS_DIR / "draft"),
+                                    max_batch_size=max(args.concurrency))
+    model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    cells = []
+    for mode in args.modes:
+        k = 0 if mode == "plain" else args.k
+        for c in args.concurrency:
+            in_process(engine, prompts[:c], c, k, args.max_tokens)  # warm-up
+            asyncio.run(served(args.url, model, prompts[:c], c, mode, args.max_tokens))
+            local = in_process(engine, prompts, c, k, args.max_tokens)
+            remote = asyncio.run(served(args.url, model, prompts, c, mode, args.max_tokens))
+            cells.append({"mode": mode, "concurrency": c, "in_process": local, "served": remote,
+                          "served_vs_in_process": remote["tok_s"] / local["tok_s"],
+                          "ttft_overhead_ms": remote["ttft_ms"] - local["ttft_ms"]})
+            print(f"{mode:9s} c={c}: in-process {local['tok_s']:.0f} tok/s, served {remote['tok_s']:.0f} tok/s "
+                  f"({cells[-1]['served_vs_in_process']:.2f}x), TTFT {local['ttft_ms']:.1f} -> "
+                  f"{remote['ttft_ms']:.1f} ms", flush=True)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
+    return {"machine": machine_facts(args.threads), "config": config, "cells": cells}
+
+
+def overhead_markdown(data: dict) -> str:
+    lines = ["# Serving overhead: in-process engine vs served, same prompts", "",
+             f"Config: {data['config']}", "",
+             "| mode | concurrency | in-process tok/s | served tok/s | served / in-process | in-process TTFT ms | "
+             "served TTFT ms | in-process TPOT ms | served TPOT ms | load generator CPU |",
+             "|---" * 10 + "|"]
+    for c in data["cells"]:
+        a, b = c["in_process"], c["served"]
+        lines.append(f"| {c['mode']} | {c['concurrency']} | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
+                     f"{c['served_vs_in_process']:.2f}x | {a['ttft_ms']:.1f} | {b['ttft_ms']:.1f} | "
+                     f"{a['tpot_ms']:.2f} | {b['tpot_ms']:.2f} | {100 * b['load_generator_cpu_share']:.0f}% |")
+    return "\n".join(lines) + "\n"
