@@ -138,6 +138,10 @@ class AppConfig(BaseModel):
     default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion that gives none (OpenAI: 16).")
     chat_default_max_tokens: int = Field(256, ge=1, description="max_tokens of a chat completion that gives none "
                                                                 "(capped by the context left after the prompt).")
+    stream_interval_s: float = Field(0.02, ge=0, description="Streamed requests: an engine replica sends the "
+                                     "tokens of the steps within this interval as one message (the first "
+                                     "at once); 0: one message per step. Non-streamed requests get one "
+                                     "message in all. Ray Serve LLM batches streams the same way.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; a larger one gets 413 before "
                                 "it is read (a full context of text is a few KB).")
     max_header_bytes: int = Field(32 << 10, ge=1024, description="Largest total size of a request's headers; "

@@ -105,25 +105,35 @@ class EngineReplica:
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream one request (call with ``handle.options(stream=True)``). ``req``: prompt_ids,
         max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, adaptive_k, domain,
-        request_id. With ``adaptive_k`` (mode=auto) the engine re-chooses K <= k every step.
+        request_id, stream_interval_s. With ``adaptive_k`` (mode=auto) the engine re-chooses K <= k
+        every step. Steps are coalesced into one delta per ``stream_interval_s`` (the first
+        and the last go out at once); without it the whole output is one delta.
 
         Yields {"token_ids", "text", "finished", "finish_reason", "stats"} deltas; stats (a
         ``RequestStats.as_dict()``) only on the last. Leaving early (caller cancels, client gone)
         aborts the request inside the engine and frees its slots."""
         params = sampling_params(req)
+        interval = req.get("stream_interval_s")  # None: one message, at the end
         t0 = time.perf_counter()
-        last = None
+        last = pending = None
+        sent_at = float("-inf")  # the first tokens go out at once (time to first token)
         stream = self.engine.stream(req["prompt_ids"], params, req.get("request_id"))
         try:
             async for out in stream:
                 last = out
-                yield {
-                    "token_ids": out.new_token_ids,
-                    "text": out.new_text,
-                    "finished": out.finished,
-                    "finish_reason": out.finish_reason,
-                    "stats": out.stats.as_dict() if out.finished else None,
-                }
+                pending = out if pending is None else pending.merged(out)
+                # Every Ray message costs the replica, the router and the proxy CPU time that the
+                # engine thread shares: steps that finish within the interval go out as one message.
+                if out.finished or (interval is not None and time.perf_counter() - sent_at >= interval):
+                    sent_at = time.perf_counter()
+                    yield {
+                        "token_ids": pending.new_token_ids,
+                        "text": pending.new_text,
+                        "finished": out.finished,
+                        "finish_reason": out.finish_reason,
+                        "stats": out.stats.as_dict() if out.finished else None,
+                    }
+                    pending = None
         finally:
             try:
                 await stream.aclose()  # early exit: aborts the request in the engine, frees its slots

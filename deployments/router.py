@@ -132,6 +132,7 @@ class _Plan:
     adaptive: bool = False  # auto-mode speculation: the replica re-chooses K <= decision.k per step
     traffic_class: TrafficClass | None = None
     requested_mode: str = "auto"
+    stream: bool = False  # the client streams: the replica sends tokens as they come, else one message
     realised_speedup: float | None = field(default=None)
 
 
@@ -142,7 +143,7 @@ class _Plan:
 async def _failed(response) -> bool:
     try:
         await response
-    except Exception:
+    except Exception:  # noqa: BLE001
         return True
     return False
 
@@ -180,7 +181,7 @@ class Router:
                                  getattr(model_cfg, "max_position_embeddings", None) or self.cfg.max_model_len)
         try:
             gen_cfg = GenerationConfig.from_pretrained(self.cfg.target)
-        except Exception:
+        except Exception:  # noqa: BLE001 - checkpoints without generation_config.json
             gen_cfg = None
         self.eos_ids = eos_token_ids(self.tokenizer, gen_cfg)
         tracker = AcceptanceTracker(self.cfg.acceptance_prior, self.cfg.acceptance_prior_weight,
@@ -192,11 +193,13 @@ class Router:
         self._inflight = 0
         self._active = {p: 0 for p in POOLS}
         self._separate_aborted = 0
+        self._engine_messages = 0  # deltas received from engine replicas (tests: coalescing)
         self._draft_failures = 0
         self._background: set[asyncio.Task] = set()
         self._created = schemas.now()
         self._ready_at: float | None = None  # when Serve first reported the whole app RUNNING
         self._ready_checked = 0.0
+        self._costs_task: asyncio.Task | None = None
         self._app_name = serve.get_replica_context().app_name
         # The tokenizer runs off the event loop, in one thread: a fast tokenizer must not be used
         # from two threads at once ("Already borrowed").
@@ -293,6 +296,8 @@ class Router:
                 app_status = status.applications.get(self._app_name)
                 if app_status is not None and app_status.status == "RUNNING":
                     self._ready_at = time.monotonic()
+                    # fetch the step costs now, not on the first auto request
+                    self._costs_task = asyncio.get_running_loop().create_task(self._ensure_costs())
             except Exception:
                 logger.warning("serve.status() failed", exc_info=True)
         return self._ready_at is not None
@@ -304,7 +309,8 @@ class Router:
         one pinned call per replica, found by probing session ids (affinity decides placement)."""
         out: dict = {"router": {"inflight": self._inflight, "active": dict(self._active),
                                 "background": len(self._background), "separate_aborted": self._separate_aborted,
-                                "draft_failures": self._draft_failures}}
+                                "draft_failures": self._draft_failures,
+                                "engine_messages": self._engine_messages}}
         for name, handle in self._pools.items():
             # Engine pools use Serve's default routing: sample until every replica has answered once
             # (exact for one replica; with n replicas, 4n calls miss one with probability ~n e^-4).
@@ -394,7 +400,7 @@ class Router:
         return _Plan(f"{prefix}-{request_id}", ids, params.normalized(self.vocab_size), decision, self.cfg.model_name, chat,
                      body.return_token_ids, bool(body.stream_options and body.stream_options.include_usage),
                      pool=route.pool, batch=route.batch, adaptive=route.adaptive, traffic_class=cls,
-                     requested_mode=spec.mode)
+                     requested_mode=spec.mode, stream=body.stream)
 
     def _loads(self) -> dict[str, PoolLoad]:
         """Live loads of the deployed pools: the requests this router runs in each."""
@@ -534,9 +540,10 @@ class Router:
                     n_out += len(delta["token_ids"])
                     if t_first is None and n_out:
                         t_first, n_first = time.perf_counter(), n_out
-                    if delta["finished"] and t_first is not None and n_out > n_first:
-                        per_token = (time.perf_counter() - t_first) / (n_out - n_first)
-                        plan.realised_speedup = self.route_state.realised_speedup(plan.batch, per_token)
+                    if delta["finished"]:
+                        per_token = self._decode_time_per_token(t_first, n_first, n_out, delta["stats"])
+                        if per_token:
+                            plan.realised_speedup = self.route_state.realised_speedup(plan.batch, per_token)
                     yield delta
             finally:
                 await gen.aclose()
@@ -558,16 +565,28 @@ class Router:
             except Exception:
                 logger.exception("metrics update failed")
 
+    @staticmethod
+    def _decode_time_per_token(t_first: float | None, n_first: int, n_out: int, stats: dict | None) -> float:
+        """Seconds per output token after the first, by the router's clock where the tokens came in
+        several messages, else (one message: a non-streamed request) by the replica's."""
+        if t_first is not None and n_out > n_first:
+            return (time.perf_counter() - t_first) / (n_out - n_first)
+        if stats and stats["output_tokens"] > 1:
+            return (stats["latency_s"] - stats["first_token_s"]) / (stats["output_tokens"] - 1)
+        return 0.0
+
     async def _run_engine(self, handle: DeploymentHandle, plan: _Plan) -> AsyncIterator[dict]:
         p = plan.params
         req = {"request_id": plan.request_id, "prompt_ids": plan.prompt_ids, "max_tokens": p.max_new_tokens,
                "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed,
                "stop": list(p.stop), "ignore_eos": p.ignore_eos, "k": p.num_speculative_tokens,
-               "adaptive_k": p.adaptive_k, "domain": p.domain}
+               "adaptive_k": p.adaptive_k, "domain": p.domain,
+               "stream_interval_s": self.cfg.stream_interval_s if plan.stream else None}
         responses = handle.options(stream=True).generate.remote(req)
         finished = False
         try:
             async for d in responses:
+                self._engine_messages += 1
                 finished = d["finished"]
                 yield d
         finally:

@@ -95,8 +95,8 @@ def run_overhead(args) -> dict:
 def overhead_markdown(data: dict) -> str:
     lines = ["# Serving overhead: in-process engine vs served, same prompts", "",
              f"Config: {data['config']}", "",
-             "| mode | concurrency | in-process tok/s | served tok/s | served / in-process | in-process TTFT ms | "
-             "served TTFT ms | in-process TPOT ms | served TPOT ms | load generator CPU |",
+             ("| mode | concurrency | in-process tok/s | served tok/s | served / in-process | in-process TTFT ms | "
+              "served TTFT ms | in-process TPOT ms | served TPOT ms | load generator CPU |"),
              "|---" * 10 + "|"]
     for c in data["cells"]:
         a, b = c["in_process"], c["served"]

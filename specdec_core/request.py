@@ -70,6 +70,13 @@ class RequestOutput:
     new_text: str
 
 
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by ``later``, as one message: the new tokens and text of both, the
+        rest as ``later`` says (what a stream sends when it coalesces several steps)."""
+        return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                                   new_text=self.new_text + later.new_text)
+
+
 def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
     """EOS ids from the tokenizer and the model's generation config (either may list several)."""
     ids = set()

@@ -283,6 +283,15 @@ def test_stream_concatenates_to_nonstream(client, path):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 20
 
 
+def test_engine_replicas_send_a_non_streamed_output_as_one_message(server, client):
+    """The replica -> router stream is coalesced: a non-streamed request costs one Ray message,
+    a streamed one at most one per step (the first token at once)."""
+    for spec in (PLAIN, COLOCATED):
+        before = stats(server)["router"]["engine_messages"]
+        assert complete(client, max_tokens=40, speculation=spec)["usage"]["completion_tokens"] == 40
+        assert stats(server)["router"]["engine_messages"] == before + 1
+
+
 def test_concurrent_greedy_equal_solo(server, client):
     prompts = [f"Request {i}: it is a truth" for i in range(16)]
     paths = [list(PATHS)[i % 3] for i in range(16)]
