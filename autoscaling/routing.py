@@ -21,7 +21,7 @@ Rules, in order:
 
 Every decision carries a regime label (`classify_regime`) that says why
 speculation does or does not pay for this request, in the vocabulary of
-DESIGN.md section 1 and Leviathan et al. 2023 (arXiv 2211.17192): acceptance
+docs/ARCHITECTURE.md (Facts) and Leviathan et al. 2023 (arXiv 2211.17192): acceptance
 rate a, cost ratio c, Corollary 3.9 (a speedup needs a > c).
 """
 

@@ -16,7 +16,7 @@ _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 class DeploymentOptions(BaseModel):
     """Ray Serve options of one deployment. ``num_cpus`` and ``num_gpus`` always travel together
-    (a Serve ``ray_actor_options`` override replaces the whole dict, DESIGN.md section 4)."""
+    (a Serve ``ray_actor_options`` override replaces the whole dict, docs/ARCHITECTURE.md (Facts))."""
 
     model_config = ConfigDict(extra="forbid")
 

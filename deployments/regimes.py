@@ -36,7 +36,7 @@ POOLS = ("plain", "colocated", "separate")
 # time at batch 1): 13-15 ms. The config key `separate_hop_overhead_s` overrides it.
 SEPARATE_HOP_OVERHEAD_S = 14e-3
 
-# Prior step costs until a co-located replica's calibration arrives: DESIGN.md section 4's CPU table
+# Prior step costs until a co-located replica's calibration arrives: docs/ARCHITECTURE.md's CPU table (Facts)
 # (17M target, 1.9M draft, fp32, 2 threads, context 64), seconds. Only q = 1 and 9 were measured;
 # q in between is interpolated linearly.
 PRIOR_COSTS = StepCosts(
@@ -45,7 +45,7 @@ PRIOR_COSTS = StepCosts(
     target_s=((18.7e-3, 29.9e-3), (31.1e-3, 63.3e-3), (64.8e-3, 207e-3), (161e-3, 548e-3)),
     draft_s=(5.7e-3, 8.6e-3, 11.4e-3, 23.2e-3),
     hop_overhead_s={"colocated": 0.0, "separate": SEPARATE_HOP_OVERHEAD_S},
-    source="prior:DESIGN.md-table",
+    source="prior:ARCHITECTURE.md-table",
 )
 
 # OpenAI `service_tier` values that mean "bulk, latency does not matter": the throughput objective.

@@ -9,7 +9,7 @@ detokenize / stream -> the finished request's acceptance stats feed the tracker.
 mode=auto speculation in the co-located pool runs with adaptive K (the replica re-chooses K <= the
 routed K every step, down to 0 when acceptance collapses); explicit K stays fixed. Step costs: the
 co-located replicas calibrate at start-up (or load ``calibration_file``); the router fetches them on
-the first auto request and routes on a prior table (DESIGN.md section 4) until then.
+the first auto request and routes on a prior table (docs/ARCHITECTURE.md, Facts) until then.
 
 - plain pool: ``EngineReplica`` without a draft (``handle.options(stream=True).generate``).
 - co-located pool: ``EngineReplica`` with draft + target in one process, same call.
@@ -461,42 +461,55 @@ class Router:
                      token_ids if plan.return_token_ids else None)
 
     async def _stream(self, plan: _Plan, admission: _Admission) -> AsyncIterator[str]:
+        """SSE events, one write per delta: every write is a message from this replica to the proxy,
+        so the chat role chunk rides with the first delta and the last chunk, the usage chunk and
+        [DONE] go out together."""
         created = schemas.now()
         rid, model = plan.request_id, plan.model
-        n_out = 0
+        n_out, done = 0, False
+        pending = [sse_event(schemas.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+                   ] if plan.chat else []
         deltas = self._execute(plan)
         try:
-            if plan.chat:
-                yield sse_event(schemas.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
             async for d in deltas:
                 n_out += len(d["token_ids"])
-                ids = d["token_ids"] if plan.return_token_ids else None
+                events, pending = pending + self._delta_events(plan, d, created, n_out), []
                 if d["finished"]:
-                    spec = self._speculation(plan, d["stats"])
-                    if plan.chat:
-                        chunk = schemas.chat_chunk(rid, created, model, {"content": d["text"]} if d["text"] else {},
-                                                   d["finish_reason"], ids)
-                    else:
-                        chunk = schemas.completion_chunk(rid, created, model, d["text"], d["finish_reason"], ids)
-                    chunk["speculation"] = spec
-                    yield sse_event(chunk)
-                    if plan.include_usage:
-                        yield sse_event({"id": rid, "object": chunk["object"], "created": created, "model": model,
-                                    "choices": [], "usage": schemas.usage(len(plan.prompt_ids), n_out),
-                                    "speculation": spec})
-                elif d["text"] or d["token_ids"]:
-                    if plan.chat:
-                        yield sse_event(schemas.chat_chunk(rid, created, model, {"content": d["text"]}, None, ids))
-                    else:
-                        yield sse_event(schemas.completion_chunk(rid, created, model, d["text"], None, ids))
-            yield "data: [DONE]\n\n"
+                    events.append("data: [DONE]\n\n")
+                    done = True
+                if events:
+                    yield "".join(events)
+            if not done:
+                yield "".join(pending) + "data: [DONE]\n\n"
         except Exception:
             logger.exception("stream %s failed", rid)
-            yield sse_event(schemas.error_body(internal_error_message(rid), "server_error"))
-            yield "data: [DONE]\n\n"
+            yield sse_event(schemas.error_body(internal_error_message(rid), "server_error")) + "data: [DONE]\n\n"
         finally:
             admission.release()  # first: the await below can be interrupted by a second cancellation
             await deltas.aclose()
+
+    def _delta_events(self, plan: _Plan, d: dict, created: int, n_out: int) -> list[str]:
+        rid, model = plan.request_id, plan.model
+        ids = d["token_ids"] if plan.return_token_ids else None
+        if not d["finished"]:
+            if not (d["text"] or d["token_ids"]):
+                return []
+            if plan.chat:
+                return [sse_event(schemas.chat_chunk(rid, created, model, {"content": d["text"]}, None, ids))]
+            return [sse_event(schemas.completion_chunk(rid, created, model, d["text"], None, ids))]
+        spec = self._speculation(plan, d["stats"])
+        if plan.chat:
+            chunk = schemas.chat_chunk(rid, created, model, {"content": d["text"]} if d["text"] else {},
+                                       d["finish_reason"], ids)
+        else:
+            chunk = schemas.completion_chunk(rid, created, model, d["text"], d["finish_reason"], ids)
+        chunk["speculation"] = spec
+        events = [sse_event(chunk)]
+        if plan.include_usage:
+            events.append(sse_event({"id": rid, "object": chunk["object"], "created": created, "model": model,
+                                     "choices": [], "usage": schemas.usage(len(plan.prompt_ids), n_out),
+                                     "speculation": spec}))
+        return events
 
     def _speculation(self, plan: _Plan, stats: dict) -> dict:
         d = plan.decision

@@ -7,7 +7,7 @@ deterministic across processes (so several router replicas agree), and when a re
 its own sessions move (they re-prefill elsewhere: KV caches are soft state, the history travels
 with every call). Calls without a session id go to the less loaded of the candidates.
 
-Ray Serve 2.60 bug (DESIGN.md section 4): a non-FIFO request router indexes pending requests by the
+Ray Serve 2.60 bug (docs/ARCHITECTURE.md, Facts): a non-FIFO request router indexes pending requests by the
 *parent* request's internal id, so two pinned calls issued concurrently from inside one request
 (``asyncio.gather``) share that id; the second is never indexed and its routing never completes.
 ``pinned_gather`` gives each call a fresh internal request id in the serve request context before

@@ -15,7 +15,7 @@ The serving model drops Theorem 3.8's assumption and uses measured costs:
 where b is the batch the request runs in and h the per-step hop overhead of the
 topology ("colocated": draft and target in one process; "separate": two Ray
 handle calls per step). A K+1-token verify is ~1.5x a plain step at batch 1 and
-3-4x at batch 32-128 on CPU (DESIGN.md section 4), which is what makes
+3-4x at batch 32-128 on CPU (docs/ARCHITECTURE.md, Facts), which is what makes
 speculation lose at large batch.
 
 Costs come either from timing the models (`calibrate`) or, for hardware we do
@@ -35,7 +35,7 @@ from typing import Any
 TOPOLOGIES = ("colocated", "separate")
 
 # Median Ray Serve handle call, replica to replica, measured on the CPU machine
-# (DESIGN.md section 4: 7-11 ms). The separate topology pays two per step
+# (docs/ARCHITECTURE.md (Facts): 7-11 ms). The separate topology pays two per step
 # (Draft.propose, Target.verify).
 RAY_HOP_S = 8e-3
 DEFAULT_HOP_OVERHEAD_S: Mapping[str, float] = {"colocated": 0.0, "separate": 2 * RAY_HOP_S}

@@ -3,7 +3,7 @@
 Same weights and the same math as HF's ``LlamaDecoderLayer`` (RMSNorm, RoPE, SDPA, SwiGLU), but
 with q/k/v and gate/up fused into one matmul each (4 matmuls per layer instead of 7), each run by
 the kernel that suits its token count (``linear.Projection``), and none of the per-module call
-machinery. For small models on CPU that framework overhead is most of a step (DESIGN.md: ~1.2 ms
+machinery. For small models on CPU that framework overhead is most of a step (docs/ARCHITECTURE.md, Facts: ~1.2 ms
 per layer at batch 1), and it sets the draft/target cost ratio c. The original module parameters
 are re-pointed at slices of the fused tensors, so the HF modules keep working on the same memory.
 Each layer takes its own attention mask from the runner, so Mistral's sliding window holds here too.

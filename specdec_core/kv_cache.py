@@ -4,7 +4,7 @@ One buffer per layer of shape [slots, max_len + 1, kv_heads, head_dim], allocate
 owns a slot; its length is a Python int. Writing new keys is an in-place scatter at each row's own
 positions, rollback after a rejection is just lowering the length, and freeing a slot costs
 nothing: no step ever concatenates or copies the whole cache (HF's DynamicCache does, which made
-a batch-64 step at context 512 six times slower on these machines; DESIGN.md section 4).
+a batch-64 step at context 512 six times slower on these machines; docs/ARCHITECTURE.md (Facts)).
 
 The extra column ``max_len`` is a trash column: padding tokens of a ragged batch write there and
 no valid query ever attends to it.

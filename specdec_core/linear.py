@@ -3,7 +3,7 @@
 Decode-time projections multiply a handful of token rows (M = batch x new tokens) by a weight. On
 the CPU, torch's default ``F.linear`` (an sgemm with the weight transposed) treats small M as M
 separate matrix-vector products, so a 5-token verify paid ~4x a 1-token step in matmul time
-(measured on these machines, DESIGN.md section 4), which inflates the verify/plain cost ratio that
+(measured on these machines, docs/ARCHITECTURE.md (Facts)), which inflates the verify/plain cost ratio that
 decides whether speculation pays. Measured per layer stack of the shipped target (1 thread):
 
 - M <= 2: ``x @ W^T`` with ``W^T`` stored contiguous [in, out] is ~2-3x faster than ``F.linear``;

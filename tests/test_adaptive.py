@@ -8,7 +8,7 @@ import pytest
 from specdec_core import AcceptanceTracker, AdaptiveK, CostModel, Engine, NgramProposer, StepCosts
 from specdec_core.adaptive import KState
 
-# Synthetic costs shaped like DESIGN.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
+# Synthetic costs shaped like docs/ARCHITECTURE.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
 # batch 1 and ~3.4x at batch 64.
 COSTS = StepCosts(
     batches=(1, 64),

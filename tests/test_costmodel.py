@@ -44,7 +44,7 @@ def leviathan_costs(c: float, hop: float = 0.0) -> StepCosts:
 
 
 def cpu_costs() -> StepCosts:
-    """DESIGN.md section 4 measurements (17M target, 1.9M draft), seconds; q=9 row measured, q=1 too."""
+    """docs/ARCHITECTURE.md (Facts) measurements (17M target, 1.9M draft), seconds; q=9 row measured, q=1 too."""
     return StepCosts(
         batches=(1, 8, 32, 128),
         qs=(1, 9),

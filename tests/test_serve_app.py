@@ -38,7 +38,7 @@ def _free_port() -> int:
 # The regime tests need a cost model under which this 2-core machine is compute bound at a small
 # batch, and a draft the router believes in. Honest stand-ins, both through documented config keys:
 # - calibration_file: synthetic step costs for the tiny pair, t_T(b, q) = 10 ms + 4 ms * b * q and
-#   t_D = 3 ms (a forward that turns compute bound near 8 tokens, like DESIGN.md section 4's CPU
+#   t_D = 3 ms (a forward that turns compute bound near 8 tokens, like docs/ARCHITECTURE.md (Facts)'s CPU
 #   table does near 64-128): the co-located replica loads them instead of calibrating (which would
 #   also add seconds to start-up), and the router fetches them from it.
 # - acceptance_prior 0.9: the prior of a fresh traffic class (the random tiny draft really agrees
