@@ -40,11 +40,12 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
 
 
 def test_api_key_guards_v1_only(edge):
-    assert_openai_error(call("GET", "/v1/models"), 401, "invalid_api_key")
-    assert_openai_error(call("GET", "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
-    # the right key passes the edge: this bare app has no /v1 routes, so the answer is a 404
-    assert_openai_error(call("GET", "/v1/models", headers={"Authorization": "Bearer sekrit"}), 404)
-    assert_openai_error(call("GET", "/health"), 404)  # not behind the key
+    # Paths no route serves (the Router's own routes need a Serve replica to run): the edge answers
+    # before routing, so the key is checked first and a passed request ends in the 404 handler.
+    assert_openai_error(call("GET", "/v1/edge-test"), 401, "invalid_api_key")
+    assert_openai_error(call("GET", "/v1/edge-test", headers={"Authorization": "Bearer wrong"}), 401)
+    assert_openai_error(call("GET", "/v1/edge-test", headers={"Authorization": "Bearer sekrit"}), 404)
+    assert_openai_error(call("GET", "/edge-test"), 404)  # outside /v1: not behind the key
 
 
 def test_body_and_header_limits(edge):
@@ -57,7 +58,7 @@ def test_body_and_header_limits(edge):
             yield b"x" * 1000
 
     assert_openai_error(call("POST", "/v1/test-echo", content=chunked(), headers=auth), 413, "body_too_large")
-    assert_openai_error(call("GET", "/v1/models", headers={**auth, "x-big": "y" * 3000}), 431, "headers_too_large")
+    assert_openai_error(call("GET", "/v1/edge-test", headers={**auth, "x-big": "y" * 3000}), 431, "headers_too_large")
 
 
 def test_unknown_path_and_method_are_openai_shaped():
