@@ -142,6 +142,13 @@ class AppConfig(BaseModel):
                                      "tokens of the steps within this interval as one message (the first "
                                      "at once); 0: one message per step. Non-streamed requests get one "
                                      "message in all. Ray Serve LLM batches streams the same way.")
+    migration_limit: int = Field(3, ge=0, description="Times one request may move to another replica or pool "
+                                 "when the replica serving it dies (0: a replica death fails its requests).")
+    step_timeout_s: float = Field(2.0, gt=0, description="Separate topology: a step not verified within this "
+                                  "time means a lost replica (Serve holds calls to a dead one until its "
+                                  "replacement is up): a step with a draft proposal runs again plain and "
+                                  "speculation pauses for 5 s (the Draft is presumed lost); a plain step moves "
+                                  "the request to an engine pool (the Target is presumed lost).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; a larger one gets 413 before "
                                 "it is read (a full context of text is a few KB).")
     max_header_bytes: int = Field(32 << 10, ge=1024, description="Largest total size of a request's headers; "

@@ -105,7 +105,7 @@ class EngineReplica:
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream one request (call with ``handle.options(stream=True)``). ``req``: prompt_ids,
         max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, adaptive_k, domain,
-        request_id, stream_interval_s. With ``adaptive_k`` (mode=auto) the engine re-chooses K <= k
+        request_id, stream_interval_s, resume. With ``adaptive_k`` (mode=auto) the engine re-chooses K <= k
         every step. Steps are coalesced into one delta per ``stream_interval_s`` (the first
         and the last go out at once); without it the whole output is one delta.
 
@@ -117,7 +117,9 @@ class EngineReplica:
         t0 = time.perf_counter()
         last = pending = None
         sent_at = float("-inf")  # the first tokens go out at once (time to first token)
-        stream = self.engine.stream(req["prompt_ids"], params, req.get("request_id"))
+        resume = req.get("resume")  # (output ids, characters sent): a request migrated from a dead replica
+        stream = self.engine.stream(req["prompt_ids"], params, req.get("request_id"),
+                                    (list(resume[0]), int(resume[1])) if resume else None)
         try:
             async for out in stream:
                 last = out

@@ -36,6 +36,8 @@ class RouterMetrics:
         self.verify_steps = Counter("specdec_verify_steps_total", "Target passes that judged draft tokens.", _TAGS)
         self.draft_failures = Counter("specdec_draft_failures_total", "Separate-topology requests whose draft "
                                       "failed and fell back to plain verify.")
+        self.migrations = Counter("specdec_migrations_total", "Requests moved to another replica or pool because "
+                                  "the replica serving them died, by the pool that lost it.", ("pool",))
         self.latency = Histogram("specdec_request_latency_s", "Request latency in the router.", _LATENCY_S, _TAGS)
         self.inflight = Gauge("specdec_inflight_requests", "Requests the router serves now.")
         # acceptance

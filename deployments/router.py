@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from autoscaling.routing import PoolLoad, RequestFeatures, RoutingDecision, RoutingError, RoutingThresholds
@@ -56,6 +57,15 @@ from specdec_core.costmodel import StepCosts
 from specdec_core.request import RequestState, eos_token_ids
 
 logger = logging.getLogger("ray.serve")
+
+
+class ReplicaLost(Exception):
+    """A replica did not answer in time: presumed dead or restarting."""
+
+
+# A replica (or actor) that died or cannot be reached: the request it served can move.
+MIGRATABLE = (RayActorError, ActorUnavailableError, ReplicaLost)
+DRAFT_RETRY_S = 5.0  # after a draft failure, separate requests decode plain this long before trying it again
 
 # ---- routing decision ---------------------------------------------------------------------------
 
@@ -133,6 +143,7 @@ class _Plan:
     traffic_class: TrafficClass | None = None
     requested_mode: str = "auto"
     stream: bool = False  # the client streams: the replica sends tokens as they come, else one message
+    migrations: int = 0  # times the request moved because the replica serving it died
     realised_speedup: float | None = field(default=None)
 
 
@@ -194,6 +205,8 @@ class Router:
         self._active = {p: 0 for p in POOLS}
         self._separate_aborted = 0
         self._engine_messages = 0  # deltas received from engine replicas (tests: coalescing)
+        self._migrations = 0
+        self._draft_down_until = 0.0  # after a draft failure, separate requests skip speculation until then
         self._draft_failures = 0
         self._background: set[asyncio.Task] = set()
         self._created = schemas.now()
@@ -310,7 +323,7 @@ class Router:
         out: dict = {"router": {"inflight": self._inflight, "active": dict(self._active),
                                 "background": len(self._background), "separate_aborted": self._separate_aborted,
                                 "draft_failures": self._draft_failures,
-                                "engine_messages": self._engine_messages}}
+                                "engine_messages": self._engine_messages, "migrations": self._migrations}}
         for name, handle in self._pools.items():
             # Engine pools use Serve's default routing: sample until every replica has answered once
             # (exact for one replica; with n replicas, 4n calls miss one with probability ~n e^-4).
@@ -531,6 +544,7 @@ class Router:
             "batch": plan.batch,
             "route_reason": d.reason,
             "costs_source": self.route_state.costs_source,
+            "migrations": plan.migrations,
         }
 
     async def _execute(self, plan: _Plan) -> AsyncIterator[dict]:
@@ -543,10 +557,7 @@ class Router:
         t0, last = time.perf_counter(), None
         t_first, n_first, n_out, per_token = None, 0, 0, 0.0
         try:
-            if pool == "separate":
-                gen = self._run_separate(plan)
-            else:
-                gen = self._run_engine(self._pools[pool], plan)
+            gen = self._migrating(plan)
             try:
                 async for delta in gen:
                     last = delta
@@ -561,12 +572,13 @@ class Router:
             finally:
                 await gen.aclose()
         finally:
+            pool = plan.pool  # where it finished: a migrated request moved
             self._active[pool] -= 1
             finished = last is not None and last["finished"]
             try:
                 self.metrics.set_running(pool, self._active[pool])
                 stats = last["stats"] if finished and last["stats"] else {}
-                if stats and per_token:
+                if stats and per_token and not plan.migrations:  # a re-prefill is no step time
                     self.route_state.observe_timing(pool, plan.batch, stats, per_token)
                 if stats.get("proposed_tokens") and plan.traffic_class is not None:
                     self.route_state.observe(plan.traffic_class, stats)
@@ -588,14 +600,53 @@ class Router:
             return (stats["latency_s"] - stats["first_token_s"]) / (stats["output_tokens"] - 1)
         return 0.0
 
-    async def _run_engine(self, handle: DeploymentHandle, plan: _Plan) -> AsyncIterator[dict]:
+    async def _migrating(self, plan: _Plan) -> AsyncIterator[dict]:
+        """The request's deltas from its pool. If the replica serving it dies (or, in the separate
+        topology, the Target), the request moves (migration, as NVIDIA Dynamo's): an engine replica
+        prefills prompt + the tokens emitted so far and goes on from there, so the client's stream
+        continues without a gap or a repeat. The router has every emitted token: it relayed them."""
+        emitted: list[int] = []
+        sent_chars = 0
+        while True:
+            resume = (emitted, sent_chars) if plan.migrations else None
+            gen = self._run_separate(plan) if plan.pool == "separate" else self._run_engine(plan, resume)
+            try:
+                async for delta in gen:
+                    emitted += delta["token_ids"]
+                    sent_chars += len(delta["text"])
+                    yield delta
+                return
+            except MIGRATABLE:
+                if plan.migrations >= self.cfg.migration_limit:
+                    raise
+                lost, plan.pool = plan.pool, self._migration_pool(plan.pool)
+                plan.migrations += 1
+                self._migrations += 1
+                self._active[lost] -= 1
+                self._active[plan.pool] += 1
+                self.metrics.migrations.inc(tags={"pool": lost})
+                logger.warning("request %s: %s replica lost after %d tokens; continuing on %s", plan.request_id,
+                               lost, len(emitted), plan.pool, exc_info=True)
+            finally:
+                await gen.aclose()
+
+    def _migration_pool(self, lost: str) -> str:
+        """Where a request goes when the replica serving it died: the same engine pool if it has
+        other replicas, else another engine pool (the plain pool first: it needs no draft)."""
+        if lost != "separate" and self._replicas.get(lost, 1) > 1:
+            return lost
+        others = [p for p in ("plain", "colocated") if p in self._pools and p != lost]
+        return others[0] if others else lost
+
+    async def _run_engine(self, plan: _Plan, resume: tuple[list[int], int] | None = None) -> AsyncIterator[dict]:
         p = plan.params
+        k = p.num_speculative_tokens if plan.pool == "colocated" else 0  # the plain pool has no draft
         req = {"request_id": plan.request_id, "prompt_ids": plan.prompt_ids, "max_tokens": p.max_new_tokens,
                "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed,
-               "stop": list(p.stop), "ignore_eos": p.ignore_eos, "k": p.num_speculative_tokens,
-               "adaptive_k": p.adaptive_k, "domain": p.domain,
-               "stream_interval_s": self.cfg.stream_interval_s if plan.stream else None}
-        responses = handle.options(stream=True).generate.remote(req)
+               "stop": list(p.stop), "ignore_eos": p.ignore_eos, "k": k,
+               "adaptive_k": p.adaptive_k and k > 0, "domain": p.domain,
+               "stream_interval_s": self.cfg.stream_interval_s if plan.stream else None, "resume": resume}
+        responses = self._pools[plan.pool].options(stream=True).generate.remote(req)
         finished = False
         try:
             async for d in responses:
@@ -618,22 +669,31 @@ class Router:
         try:
             while not req.finished:
                 # Step 1 is the target's prefill, without a proposal (as in the engine).
-                k = 0 if first or draft_failed else req.budget_k(p.num_speculative_tokens, self.max_model_len)
+                # After a draft failure every separate request decodes plain for DRAFT_RETRY_S, then
+                # tries the draft again: a dead Draft costs at most one step's wait, not a restart's.
+                draft_up = time.monotonic() >= self._draft_down_until
+                k = 0 if first or not draft_up else req.budget_k(p.num_speculative_tokens, self.max_model_len)
                 history = list(req.tokens)
                 if k > 0:
                     draft_used = True
                     proposal = draft.propose.remote(sid, history, k, sampling)  # not awaited: passed through
                     try:
-                        outcome = await target.verify.remote(sid, history, proposal, sampling)
-                    except Exception:
-                        if not await _failed(proposal):
+                        outcome = await asyncio.wait_for(target.verify.remote(sid, history, proposal, sampling),
+                                                         self.cfg.step_timeout_s)
+                    except Exception as exc:  # the draft's failure, or the target's: re-raised
+                        # A draft that does not answer in time (dead, restarting) has failed too.
+                        if not isinstance(exc, asyncio.TimeoutError) and not await _failed(proposal):
                             raise
-                        draft_failed = True
-                        self._draft_failures += 1
-                        logger.warning("request %s: draft propose failed; continuing with plain verify", sid)
-                        outcome = await target.verify.remote(sid, history, None, sampling)
+                        proposal.cancel()
+                        if not draft_failed:
+                            draft_failed = True
+                            self._draft_failures += 1
+                        self._draft_down_until = time.monotonic() + DRAFT_RETRY_S
+                        logger.warning("request %s: draft propose failed; plain verify steps for %.0f s", sid,
+                                       DRAFT_RETRY_S)
+                        outcome = await self._plain_verify(target, sid, history, sampling)
                 else:
-                    outcome = await target.verify.remote(sid, history, None, sampling)
+                    outcome = await self._plain_verify(target, sid, history, sampling)
                 first = False
                 req.stats.record_verify(outcome["num_proposed"], outcome["num_accepted"])
                 req.commit(outcome["emitted"])
@@ -653,6 +713,15 @@ class Router:
                 s.prompt_tokens, len(req.output_ids), s.proposed, s.accepted, s.acceptance_rate,
                 s.mean_acceptance_length, s.latency_s, req.finish_reason or "abort", draft_failed,
             )
+
+    async def _plain_verify(self, target: DeploymentHandle, sid: str, history: list[int], sampling: dict) -> dict:
+        """A verify step without a proposal. Serve holds a call to a dead replica until its
+        replacement is up (~15 s here): a step not answered within ``step_timeout_s`` counts as
+        the Target lost, and the request migrates."""
+        try:
+            return await asyncio.wait_for(target.verify.remote(sid, history, None, sampling), self.cfg.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise ReplicaLost(f"Target did not answer a verify within {self.cfg.step_timeout_s} s") from None
 
     def _release_later(self, session_id: str, draft_used: bool, attempt: int = 0) -> None:
         """Free the session's KV slots on both sides; runs even when the request was cancelled.

@@ -29,13 +29,14 @@ class AsyncEngine:
         self._thread.start()
 
     async def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
+        resume: tuple[list[int], int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last one has ``finished=True``. Leaving the iterator
         early (client disconnect, cancellation) aborts the request and frees its slots."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._wake:
-            rid = self.engine.add_request(prompt, params, request_id)  # ValueError on bad input
+            rid = self.engine.add_request(prompt, params, request_id, resume)  # ValueError on bad input
             self._streams[rid] = (asyncio.get_running_loop(), queue)
             self._wake.notify()
         finished = False

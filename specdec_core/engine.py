@@ -257,9 +257,12 @@ class Engine:
         return ids
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
+        resume: tuple[list[int], int] | None = None,
     ) -> str:
-        """Queue a request (thread-safe); it joins the batch at the next step boundary."""
+        """Queue a request (thread-safe); it joins the batch at the next step boundary. ``resume``
+        (output token ids so far, characters of their text already sent) continues a request that
+        another replica started: its prefill covers prompt + output, its budget counts the output."""
         params.validate()
         params = params.normalized(self.target.vocab_size)
         prompt_ids = self.encode(prompt)
@@ -282,6 +285,8 @@ class Engine:
         req = _Request(
             request_id or f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer, self.eos_token_ids, generator
         )
+        if resume is not None:
+            req.resume(*resume)
         self._incoming.append(req)
         return req.request_id
 

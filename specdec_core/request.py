@@ -125,6 +125,16 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def resume(self, output_ids: list[int], sent_chars: int) -> None:
+        """Continue a request that another replica started (request migration): its output so far
+        becomes this state's, as if generated here, of which the client has seen ``sent_chars``
+        characters; held-back text (a stop's possible prefix, an incomplete character) is sent
+        from here, and a stop string may span the two parts."""
+        self.output_ids = list(output_ids)
+        self.tokens = self.prompt_ids + self.output_ids
+        self.text = detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
+        self._sent_tokens, self._sent_text = len(self.output_ids), sent_chars
+
     def budget_k(self, k: int, max_len: int) -> int:
         """A verify emits up to K+1 tokens: proposing past the token budget or the context is waste."""
         remaining = self.params.max_new_tokens - len(self.output_ids)

@@ -216,6 +216,25 @@ def test_a_request_that_fails_a_step_fails_alone(engine, plain_reference):
     assert engine.target.num_free_slots == engine.target.num_slots and engine.proposer.num_sequences() == 0
 
 
+def test_a_resumed_request_continues_exactly(engine, plain_reference):
+    """Migration's core: a request resumed from the first n tokens of its output (as another
+    replica emitted them) emits exactly the rest of the fault-free output, and its stream carries
+    exactly the text the client had not yet seen, for every cut and with speculation."""
+    full = engine.generate([PROMPTS[1]], max_new_tokens=24, mode="plain")[0]
+    text_of = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)
+    for n, k in [(1, 0), (7, 3), (23, 4)]:
+        sent = len(text_of(full.token_ids[:n])) - 1  # one character of theirs still held back
+        rid = engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=24, num_speculative_tokens=k),
+                                 resume=(full.token_ids[:n], sent))
+        ids, text = [], ""
+        while engine.has_work():
+            for out in engine.step():
+                if out.request_id == rid:
+                    ids, text = ids + out.new_token_ids, text + out.new_text
+        assert full.token_ids[:n] + ids == plain_reference[1], n
+        assert full.text[:sent] + text == full.text, n
+
+
 def test_extreme_but_valid_settings_decode(engine, plain_reference):
     """A temperature too small to divide by is greedy; a top_k past the vocabulary is no limit."""
     tiny_t = engine.generate(PROMPTS, max_new_tokens=24, temperature=1e-300, num_speculative_tokens=3)

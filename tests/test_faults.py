@@ -1,0 +1,98 @@
+"""Replica faults on a served app (tiny models, one replica per deployment): a model replica killed
+mid-stream (ray.kill, as a crash) costs its requests nothing. Engine pools and the Target migrate
+the request (prompt + the tokens emitted so far prefilled elsewhere); a dead Draft turns the
+request's remaining steps plain. The client's stream is the fault-free output, whole, with no
+error event."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from test_serve_app import APP, MAX_LEN, PATHS, ROOT, _free_port, app_args, sse_events, synthetic_costs
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = [7, 3, 11, 5]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.calibrate import record, save_calibration
+
+    calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
+    save_calibration(calibration, record(synthetic_costs(), tiny_models["target"], tiny_models["draft"], "cpu"))
+    args = {**app_args(tiny_models, calibration), "target_deployment": {"num_cpus": 0.1, "num_replicas": 1}}
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=APP, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def router_stats(server) -> dict:
+    return server["router"].pool_stats.remote().result(timeout_s=60)["router"]
+
+
+def kill_replicas(deployment: str) -> int:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{APP}#{deployment}#")]
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return len(names)
+
+
+def wait_running(timeout: float = 120.0) -> None:
+    from ray import serve
+
+    deadline = time.time() + timeout
+    while serve.status().applications[APP].status != "RUNNING":
+        assert time.time() < deadline, "the app did not recover"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("deployment, path", [("PlainPool", "plain"), ("ColocatedPool", "colocated"),
+                                              ("Target", "separate"), ("Draft", "separate")])
+def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
+    wait_running()
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_LEN - len(PROMPT), "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "speculation": PATHS[path]}
+    with httpx.Client(base_url=server["url"], timeout=300) as client:
+        ref = client.post("/v1/completions", json=body).json()["choices"][0]
+        before = router_stats(server)
+        events, ids, killed = [], [], 0
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                for event in sse_events([line]):
+                    events.append(event)
+                    if event != "[DONE]" and event.get("choices"):
+                        ids += event["choices"][0].get("token_ids") or []
+                if not killed and len(ids) >= 20:
+                    killed = kill_replicas(deployment)
+    assert killed == 1
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), json.dumps(events[-3:])
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ref["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref["text"]
+    after = router_stats(server)
+    if deployment == "Draft":  # no migration: the rest of the request ran plain verify steps
+        assert after["draft_failures"] == before["draft_failures"] + 1
+    else:
+        assert after["migrations"] == before["migrations"] + 1
+        assert chunks[-1]["speculation"]["migrations"] == 1
