@@ -31,9 +31,10 @@ logger = logging.getLogger("ray.serve")
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -158,7 +159,7 @@ app.add_middleware(EdgeMiddleware)
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError):
-    return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+    return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
 @app.exception_handler(RequestValidationError)

@@ -66,6 +66,7 @@ class ReplicaLost(Exception):
 # A replica (or actor) that died or cannot be reached: the request it served can move.
 MIGRATABLE = (RayActorError, ActorUnavailableError, ReplicaLost)
 DRAFT_RETRY_S = 5.0  # after a draft failure, separate requests decode plain this long before trying it again
+RETRY_AFTER_S = 15  # a 503 for lost replicas: Serve restarts a replica in ~13-17 s here
 
 # ---- routing decision ---------------------------------------------------------------------------
 
@@ -462,6 +463,11 @@ class Router:
                 last = d
         except APIError:
             raise
+        except MIGRATABLE:
+            logger.exception("request %s: no replica could finish it", plan.request_id)
+            raise APIError(503, f"no model replica can serve the request now (request id {plan.request_id}); "
+                                "retry later", "server_error", None, "unavailable",
+                           {"Retry-After": str(RETRY_AFTER_S)}) from None
         except Exception:
             logger.exception("request %s failed", plan.request_id)
             raise APIError(500, internal_error_message(plan.request_id), "server_error") from None

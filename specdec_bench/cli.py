@@ -75,6 +75,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads in-process (a replica's torch_threads)")
     p.set_defaults(func=_overhead)
 
+    p = sub.add_parser("faults", help="mixed load on a running server while random replicas are killed")
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--app", default="specdec", help="the Serve application's name (finds its replicas)")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--kill-every", type=float, default=120.0, help="seconds between kills")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--prompts", default="prose")
+    p.add_argument("--seed", type=int, default=0, help="which replicas get killed")
+    p.set_defaults(func=_faults)
+
     p = sub.add_parser("gpu", help="CUDA sweep: large random-init shapes, oracle draft of controlled acceptance")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--hidden", type=int, default=2048)
@@ -144,6 +156,13 @@ def _overhead(args) -> None:
 
     data = run_overhead(args)
     _emit(args, "overhead", data, overhead_markdown(data))
+
+
+def _faults(args) -> None:
+    from specdec_bench.faults import faults_markdown, run_faults
+
+    data = run_faults(args)
+    _emit(args, "faults", data, faults_markdown(data))
 
 
 def _serve(args) -> None:

@@ -279,7 +279,9 @@ class Engine:
         if params.temperature > 0:
             generator = torch.Generator()
             if params.seed is not None:
-                generator.manual_seed(params.seed)
+                # A resumed request draws from a stream of its own, derived from (seed, tokens so far):
+                # reusing the seed's stream would replay the uniforms that produced its output so far.
+                generator.manual_seed(params.seed if resume is None else hash((params.seed, len(resume[0]))) % 2**63)
             else:
                 generator.seed()
         req = _Request(

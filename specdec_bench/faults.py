@@ -1,0 +1,154 @@
+"""`specdec-bench faults`: a steady mixed load against a running server while a random model replica
+is killed (SIGKILL, as a crash) every ``--kill-every`` seconds; bounded by ``--minutes``.
+
+Each request (closed loop at ``--concurrency``; modes plain / co-located / separate / auto in turn,
+greedy and sampled in turn; streamed, ``ignore_eos``) counts as completed only if its stream ends
+with ``[DONE]``, carries no error event and holds exactly ``max_tokens`` tokens; anything else is
+lost. Reported: requests sent, completed, migrated (the response's ``speculation.migrations``),
+lost, latency p50/p99, the kills, each deployment's replica RSS after warm-up and at the end (and
+whether that replica was replaced meanwhile), and whether every KV slot and session is free once
+the load stops. Replicas are found by process name (``ray::ServeReplica:<app>:<deployment>``) on
+this machine, so run one server of that app name at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+
+import httpx
+
+from specdec_bench.common import load_prompts, machine_facts
+
+DEPLOYMENTS = ("PlainPool", "ColocatedPool", "Draft", "Target")
+MODES = ({"mode": "plain"}, {"mode": "speculative", "topology": "colocated"},
+         {"mode": "speculative", "topology": "separate"}, {"mode": "auto"})
+
+
+def replica_pids(app: str) -> dict[str, int]:
+    """Deployment -> pid of its (first) replica process, by process title."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    pids = {}
+    for line in out.splitlines()[1:]:
+        pid, _, args = line.strip().partition(" ")
+        for name in DEPLOYMENTS:
+            if args.strip().startswith(f"ray::ServeReplica:{app}:{name}") and name not in pids:
+                pids[name] = int(pid)
+    return pids
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, i: int, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "return_token_ids": True,
+            "temperature": 0.0 if i % 2 == 0 else 0.8, "seed": i, "speculation": MODES[i % len(MODES)]}
+    t0, tokens, done, error, migrations = time.perf_counter(), 0, False, None, 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]["message"]
+                for choice in event.get("choices") or []:
+                    tokens += len(choice.get("token_ids") or [])
+                migrations = max(migrations, (event.get("speculation") or {}).get("migrations") or 0)
+    except httpx.HTTPError as exc:
+        error = type(exc).__name__
+    ok = done and error is None and tokens == max_tokens
+    return {"ok": ok, "latency": time.perf_counter() - t0, "migrations": migrations,
+            "error": None if ok else (error or f"{tokens} of {max_tokens} tokens, done={done}")}
+
+
+async def _run(args) -> dict:
+    prompts = load_prompts(args.prompts)
+    rng = random.Random(args.seed)
+    results, kills, rss = [], [], {}
+    async with httpx.AsyncClient(base_url=args.url, timeout=300) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        stop_at = time.monotonic() + 60 * args.minutes
+        counter = iter(range(10**9))
+
+        async def worker():
+            while time.monotonic() < stop_at:
+                i = next(counter)
+                results.append(await one_request(client, model, prompts[i % len(prompts)], i, args.max_tokens))
+
+        async def killer():
+            await asyncio.sleep(min(30.0, args.kill_every / 2))
+            rss["warm"] = {name: (pid, rss_mib(pid)) for name, pid in replica_pids(args.app).items()}
+            next_kill = time.monotonic() + args.kill_every / 2
+            while time.monotonic() < stop_at - args.kill_every / 4:
+                await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
+                pids = replica_pids(args.app)
+                if not pids:  # all restarting: try again at the next turn
+                    next_kill += args.kill_every
+                    continue
+                name = rng.choice(sorted(pids))
+                try:
+                    os.kill(pids[name], signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                kills.append({"t_s": round(time.monotonic() - stop_at + 60 * args.minutes, 1), "deployment": name})
+                print(f"killed {name} (pid {pids[name]})", flush=True)
+                next_kill += args.kill_every
+
+        await asyncio.gather(killer(), *[worker() for _ in range(args.concurrency)])
+        rss["end"] = {name: (pid, rss_mib(pid)) for name, pid in replica_pids(args.app).items()}
+        await asyncio.sleep(2.0)  # releases of the last requests
+        stats = (await client.get("/v1/stats")).json()
+    ok = [r for r in results if r["ok"]]
+    lat = sorted(r["latency"] for r in ok)
+    replicas = [r for pool in ("plain", "colocated", "draft", "target") for r in stats.get(pool, [])]
+    return {
+        "machine": machine_facts(1), "config": {k: v for k, v in vars(args).items() if k != "func" and k != "out"},
+        "sent": len(results), "completed": len(ok), "lost": len(results) - len(ok),
+        "migrated": sum(1 for r in ok if r["migrations"]), "lost_errors": [r["error"] for r in results if not r["ok"]][:20],
+        "latency_s": {"p50": statistics.median(lat) if lat else None,
+                      "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None},
+        "kills": kills,
+        "rss_mib": {name: {"warm": rss.get("warm", {}).get(name, (None, None))[1], "end": end,
+                           "replaced": rss.get("warm", {}).get(name, (None,))[0] != pid}
+                    for name, (pid, end) in rss["end"].items()},
+        "kv_free_at_end": all(r.get("free_slots") == r.get("total_slots") and not r.get("sessions") for r in replicas),
+    }
+
+
+def run_faults(args) -> dict:
+    return asyncio.run(_run(args))
+
+
+def faults_markdown(data: dict) -> str:
+    kills = ", ".join(f"{k['deployment']} at {k['t_s']} s" for k in data["kills"])
+    lines = ["# Fault benchmark", "", f"Config: {data['config']}", "",
+             (f"- sent {data['sent']}, completed {data['completed']}, migrated {data['migrated']}, "
+              f"lost {data['lost']}"),
+             f"- latency p50 {data['latency_s']['p50'] or 0:.2f} s, p99 {data['latency_s']['p99'] or 0:.2f} s",
+             f"- kills: {kills}",
+             f"- every KV slot and session free at the end: {data['kv_free_at_end']}", "",
+             "| deployment | RSS after warm-up (MiB) | RSS at the end (MiB) | replaced meanwhile |", "|---|---|---|---|"]
+    for name, r in data["rss_mib"].items():
+        warm = f"{r['warm']:.0f}" if r["warm"] else "-"
+        lines.append(f"| {name} | {warm} | {r['end']:.0f} | {r['replaced']} |")
+    if data["lost_errors"]:
+        lines += ["", "Lost: " + "; ".join(map(str, data["lost_errors"]))]
+    return "\n".join(lines) + "\n"
