@@ -49,41 +49,32 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=_predict)
 
     p = sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
-    p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    _server_load_args(p)
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
     p.add_argument("--modes", nargs="*", default=["plain", "colocated", "separate", "auto"])
     p.add_argument("--rates", nargs="*", type=float, help="Poisson arrival rates (req/s); default closed loop")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--prompts", default="prose", help="prompt set under models/prompts")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("overhead", help="in-process engine vs a running server, same prompts, one run")
-    p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    _server_load_args(p)
     p.add_argument("--target", type=Path, default=None, help="default: the shipped target")
     p.add_argument("--draft", type=Path, default=None, help="default: the shipped draft")
     p.add_argument("--modes", nargs="*", default=["plain", "colocated"], choices=["plain", "colocated"])
     p.add_argument("--concurrency", nargs="*", type=int, default=[1, 8])
     p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="K of co-located speculation (the server's default_k)")
-    p.add_argument("--prompts", default="prose")
     p.add_argument("--threads", type=int, default=1, help="torch threads in-process (a replica's torch_threads)")
     p.set_defaults(func=_overhead)
 
     p = sub.add_parser("faults", help="mixed load on a running server while random replicas are killed")
-    p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    _server_load_args(p)
     p.add_argument("--app", default="specdec", help="the Serve application's name (finds its replicas)")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--kill-every", type=float, default=120.0, help="seconds between kills")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--prompts", default="prose")
     p.add_argument("--seed", type=int, default=0, help="which replicas get killed")
     p.set_defaults(func=_faults)
 
@@ -105,6 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.func(args)
+
+
+def _server_load_args(p) -> None:
+    """What every benchmark against a running server takes: where, what to send, where to write."""
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--prompts", default="prose", help="prompt set under models/prompts")
 
 
 def _emit(args, name: str, data: dict, markdown: str, plots=None) -> None:

@@ -14,7 +14,6 @@ this machine, so run one server of that app name at a time.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -24,11 +23,11 @@ import time
 
 import httpx
 
+from specdec_bench import load
 from specdec_bench.common import load_prompts, machine_facts
 
 DEPLOYMENTS = ("PlainPool", "ColocatedPool", "Draft", "Target")
-MODES = ({"mode": "plain"}, {"mode": "speculative", "topology": "colocated"},
-         {"mode": "speculative", "topology": "separate"}, {"mode": "auto"})
+MODES = tuple(load.MODES[m] for m in ("plain", "colocated", "separate", "auto"))
 
 
 def replica_pids(app: str) -> dict[str, int]:
@@ -52,31 +51,16 @@ def rss_mib(pid: int) -> float | None:
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, i: int, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "return_token_ids": True,
-            "temperature": 0.0 if i % 2 == 0 else 0.8, "seed": i, "speculation": MODES[i % len(MODES)]}
-    t0, tokens, done, error, migrations = time.perf_counter(), 0, False, None, 0
+    """``load.one_request`` in the fault mix (mode and temperature by turn, seeded), judged whole or lost."""
+    extra = {"ignore_eos": True, "seed": i, "temperature": 0.0 if i % 2 == 0 else 0.8}
+    args = type("Args", (), {"max_tokens": max_tokens, "temperature": 0.0})
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}"
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = event["error"]["message"]
-                for choice in event.get("choices") or []:
-                    tokens += len(choice.get("token_ids") or [])
-                migrations = max(migrations, (event.get("speculation") or {}).get("migrations") or 0)
+        r = await load.one_request(client, model, prompt, args, MODES[i % len(MODES)], extra)
     except httpx.HTTPError as exc:
-        error = type(exc).__name__
-    ok = done and error is None and tokens == max_tokens
-    return {"ok": ok, "latency": time.perf_counter() - t0, "migrations": migrations,
-            "error": None if ok else (error or f"{tokens} of {max_tokens} tokens, done={done}")}
+        return {"ok": False, "error": type(exc).__name__}
+    ok = "error" not in r and r["done"] and r["stream_error"] is None and r["tokens"] == max_tokens
+    why = r.get("error") or r.get("stream_error") or f"{r.get('tokens')} of {max_tokens} tokens, done={r.get('done')}"
+    return {"ok": ok, "latency": r.get("latency"), "migrations": r.get("migrations", 0), "error": None if ok else why}
 
 
 async def _run(args) -> dict:

@@ -34,14 +34,18 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation, **(extra or {})}
     t0 = time.perf_counter()
-    arrivals, final = [], {}
+    arrivals, final, done, stream_error = [], {}, False, None
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             return {"error": resp.status_code}
         async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                done = True
+            if not line.startswith("data: ") or done:
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                stream_error = chunk["error"]["message"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 arrivals.append(time.perf_counter() - t0)
             if chunk.get("usage"):
@@ -58,6 +62,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         "accepted": spec.get("accepted_tokens", 0),
         "proposed": spec.get("proposed_tokens", 0),
         "route": spec.get("topology") or spec.get("mode"),
+        "migrations": spec.get("migrations", 0),
+        "done": done,  # the stream ended with [DONE]
+        "stream_error": stream_error,  # an error event's message
     }
 
 
