@@ -19,6 +19,9 @@ Rules, in order:
    pool with room if its predicted speedup > 1 + margin and the request is not
    prefill heavy, else plain.
 
+A class that rule 3 keeps sending plain for its acceptance gets a few probe requests on speculation
+(``probe_route``, scheduled by ``autoscaling/exploration.py``) so that its estimate can recover.
+
 Every decision carries a regime label (`classify_regime`) that says why
 speculation does or does not pay for this request, in the vocabulary of
 docs/ARCHITECTURE.md (Facts) and Leviathan et al. 2023 (arXiv 2211.17192): acceptance
@@ -47,8 +50,15 @@ REGIMES = (
     "orchestration_overhead",
     "long_context",
     "prefill_heavy",
+    "no_gain",
     "unknown",
 )
+
+
+# Plain decisions that a higher acceptance could turn: a class routed plain for one of these may probe.
+ACCEPTANCE_REGIMES = ("domain_mismatch", "high_entropy", "expensive_draft", "no_gain")
+PROBE_ACCEPTANCE = 0.9  # a probe runs only where speculation would pay at this acceptance
+PROBE_K = 2  # a probe's fixed K: every step judges draft tokens, and a wrong draft costs little
 
 
 class RoutingError(ValueError):
@@ -146,7 +156,9 @@ def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
     | domain_mismatch        | a < low_acceptance at low temperature: draft disagrees      |
     | expensive_draft        | c >= a (Corollary 3.9) or c >= expensive_cost_ratio         |
     | long_context           | prompt >= long_context_fraction of the context limit        |
-    | unknown                | none of the above                                           |
+    | no_gain                | none of the above: the numbers (a, c, speedup) say no       |
+
+    ("unknown" is only the label of a request no speculative pool could price.)
 
     The two low-acceptance rows need `min_evidence` judged tokens, so a prior is
     never reported as a property of the traffic.
@@ -167,7 +179,7 @@ def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
         return "expensive_draft"
     if ev.prompt_tokens >= th.long_context_fraction * ev.context_limit:
         return "long_context"
-    return "unknown"
+    return "no_gain"
 
 
 @dataclass(frozen=True)
@@ -258,10 +270,34 @@ def route(ctx: RoutingContext) -> RoutingDecision:
         return _plain(regime, "too few decode steps to amortise the draft")
     paying = [o for o in options if o.choice.k > 0 and o.choice.predicted_speedup > 1.0 + th.margin]
     if not paying:
-        return _plain(regime, f"predicted speedup {best.choice.predicted_speedup:.2f} <= {1.0 + th.margin:.2f}")
+        cm = ctx.cost_models[best.topology]
+        return _plain(regime, f"predicted speedup {best.choice.predicted_speedup:.2f} <= {1.0 + th.margin:.2f} "
+                              f"(a={ctx.acceptance:.2f} on {ctx.evidence:.0f} judged tokens, "
+                              f"c={cm.cost_ratio(best.batch):.2f}, batch {best.batch})")
     with_room = [o for o in paying if ctx.loads[o.topology].has_room()]
     if not with_room:
         return _plain(regime, "speculative pools full")
     opt = max(with_room, key=lambda o: o.choice.predicted_speedup)
     reason = f"K={opt.choice.k} at batch {opt.batch}, a={ctx.acceptance:.2f}"
     return RoutingDecision(opt.topology, opt.topology, opt.choice.k, regime, opt.choice.predicted_speedup, reason)
+
+
+def probe_route(ctx: RoutingContext, plain: RoutingDecision) -> RoutingDecision | None:
+    """An exploration probe for an auto request that ``route`` sent plain for its acceptance: the
+    spec pool with room where speculation would pay at ``PROBE_ACCEPTANCE``, with K = ``PROBE_K``;
+    None where even a good draft would not pay (a large batch, a prefill-heavy request)."""
+    f = ctx.features
+    if plain.pool != PLAIN_POOL or plain.regime not in ACCEPTANCE_REGIMES or f.mode != "auto" or f.k is not None \
+            or f.objective != "latency":
+        return None
+    hopeful = [o for o in _spec_options(replace(ctx, acceptance=PROBE_ACCEPTANCE))
+               if o.choice.predicted_speedup > 1.0 + ctx.thresholds.margin and ctx.loads[o.topology].has_room()]
+    if not hopeful:
+        return None
+    opt = max(hopeful, key=lambda o: o.choice.predicted_speedup)
+    cm = ctx.cost_models[opt.topology]
+    speedup = cm.plain_time_per_token(opt.batch) / cm.spec_time_per_token(opt.batch, PROBE_K, ctx.acceptance,
+                                                                          opt.topology)
+    return RoutingDecision(opt.topology, opt.topology, PROBE_K, plain.regime, speedup,
+                           f"exploration probe, K={PROBE_K}: the class goes plain for its acceptance "
+                           f"(a={ctx.acceptance:.2f} on {ctx.evidence:.0f} judged tokens)")

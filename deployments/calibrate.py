@@ -2,8 +2,8 @@
 
     specdec-calibrate --target models/target --draft models/draft --out calibration.json
 
-times the pair through the engine's own step phases (``Engine.calibrate``: t_T(b, q) for
-b in --batches, q = K+1 in --qs, and t_D(b)) and writes a JSON record
+times the pair through the engine's own step phases (``specdec_core.calibration.calibrate``:
+t_T(b, q) for b in --batches, q = K+1 in --qs, and t_D(b)) and writes a JSON record
 
     {"target": path, "draft": path (relative to the project root when inside it), "device": "cpu" | "cuda", "created": unix time,
      "torch_threads": n, "costs": StepCosts.to_dict()}
@@ -99,13 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from specdec_core import Engine
+    from specdec_core.calibration import calibrate
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
                                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
     t0 = time.perf_counter()
-    costs = engine.calibrate(batches=tuple(int(b) for b in args.batches.split(",")),
-                             qs=tuple(int(q) for q in args.qs.split(",")), long_context_len=args.max_model_len // 2)
+    costs = calibrate(engine, batches=tuple(int(b) for b in args.batches.split(",")),
+                      qs=tuple(int(q) for q in args.qs.split(",")), long_context_len=args.max_model_len // 2)
     rec = record(costs, args.target, args.draft, device_kind(engine.target.device), torch_threads=args.threads,
                  calibrate_s=round(time.perf_counter() - t0, 2))
     save_calibration(args.out, rec)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specdec_core.costmodel import SEPARATE_HOP_S
+
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -117,9 +119,21 @@ class AppConfig(BaseModel):
     acceptance_prior_weight: float = Field(20.0, gt=0, description="Weight of that prior, in judged draft tokens.")
     acceptance_half_life_tokens: float = Field(2000.0, gt=0, description="Acceptance evidence halves every this "
                                                                          "many judged tokens of a traffic class.")
-    separate_hop_overhead_s: float = Field(0.014, ge=0, description="Per-step overhead of the separate topology's "
-                                           "two Ray hops (13-15 ms measured on the 2-core CPU machine with "
-                                           "`python -m deployments.measure_hops`).")
+    acceptance_half_life_s: float = Field(120.0, gt=0, description="The router's acceptance evidence also halves "
+                                          "every this many seconds, so a class that went plain (and judges no "
+                                          "draft tokens) drifts back to the prior instead of freezing.")
+    probe_share: float = Field(0.05, ge=0, le=1, description="Share of a traffic class's auto requests sent plain "
+                               "for its acceptance that run as exploration probes (speculation, fixed K=2), so "
+                               "that the estimate can recover (autoscaling/exploration.py); 0: never.")
+    max_traffic_classes: int = Field(64, ge=0, description="OpenAI `user` values that keep acceptance statistics "
+                                     "(and metric labels) of their own, the most recently active after "
+                                     "`traffic_class_promote_after` requests; every other user shares one of "
+                                     "`traffic_class_buckets` hashed classes (autoscaling/traffic_classes.py).")
+    traffic_class_buckets: int = Field(8, ge=1, description="Hashed classes shared by users without their own.")
+    traffic_class_promote_after: int = Field(4, ge=1, description="Requests of a user before it gets a class of its own.")
+    separate_hop_overhead_s: float = Field(SEPARATE_HOP_S, ge=0, description="Per-step overhead of the separate "
+                                           "topology's two Ray hops (default: 13-15 ms measured on the 2-core CPU "
+                                           "machine with `python -m deployments.measure_hops`).")
     calibration_file: str | None = Field(None, description="Calibration JSON (`specdec-calibrate`); a co-located "
                                          "replica uses its record for this target/draft/device instead of "
                                          "calibrating at start-up.")

@@ -1,6 +1,6 @@
 """Draft deployment of the separate topology: wraps ``specdec_core.DraftModelProposer``.
 
-``propose(session_id, token_ids, k, sampling)`` drafts K tokens for one session; concurrent calls
+``propose(session_id, token_ids, k, params)`` drafts K tokens for one session; concurrent calls
 from many sessions are fused into one batched draft pass by ``@serve.batch``. The draft KV cache of
 a session is soft state: every call carries the authoritative history and the proposer reconciles
 against it (``SequenceSlots.sync``), so a rejection needs no rollback message and a lost replica
@@ -20,18 +20,18 @@ import torch
 from ray import serve
 
 from deployments.config import AppConfig
-from specdec_core import DraftModelProposer, ModelRunner, Proposal, ProposalRequest
+from specdec_core import DraftModelProposer, ModelRunner, Proposal, ProposalRequest, SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
 
-def session_generator(sampling: dict) -> torch.Generator | None:
+def session_generator(params: SamplingParams) -> torch.Generator | None:
     """A per-session generator: seeded from the request seed, or randomly; None when greedy."""
-    if float(sampling.get("temperature", 0.0)) <= 0:
+    if params.temperature <= 0:
         return None
     gen = torch.Generator()
-    if sampling.get("seed") is not None:
-        gen.manual_seed(int(sampling["seed"]))
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
     else:
         gen.seed()
     return gen
@@ -79,8 +79,8 @@ class Draft:
         self._propose_batch.set_batch_wait_timeout_s(cfg.verify_batch_wait_s)
         logger.info("Draft ready: %s slots=%d", cfg.draft, runner.num_slots)
 
-    async def propose(self, session_id: str, token_ids: list[int], k: int, sampling: dict) -> Proposal:
-        result = await self._propose_batch(session_id, list(token_ids), int(k), sampling)
+    async def propose(self, session_id: str, token_ids: list[int], k: int, params: SamplingParams) -> Proposal:
+        result = await self._propose_batch(session_id, list(token_ids), int(k), params)
         if isinstance(result, _Failed):
             raise RuntimeError(result.message)  # noqa: TRY004 - a per-item failure, not a type error
         return result
@@ -115,10 +115,8 @@ class Draft:
                 free -= 1
             if sid not in self._generators:
                 self._generators[sid] = session_generator(smp)
-            requests.append(ProposalRequest(
-                sid, hist, k, float(smp["temperature"]), float(smp["top_p"]), int(smp.get("top_k", 0)),
-                self._generators[sid],
-            ))
+            requests.append(ProposalRequest(sid, hist, k, smp.temperature, smp.top_p, smp.top_k,
+                                            self._generators[sid]))
             index.append(i)
         if requests:
             try:

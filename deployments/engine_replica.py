@@ -3,7 +3,7 @@
 Configured with a draft it is the co-located speculative pool (draft and target share the process
 and every step's batch); without one it is the plain pool. The same class is deployed twice under
 different names (see app.py). The engine owns each request's history; this class only translates
-between the router's plain-dict requests and the engine, and reports load.
+between the router's messages (``deployments/messages.py``) and the engine, and reports load.
 """
 
 from __future__ import annotations
@@ -18,26 +18,12 @@ from ray import serve
 
 from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, device_kind, load_calibration
 from deployments.config import AppConfig, model_label
-from specdec_core import AsyncEngine, Engine, SamplingParams
+from deployments.messages import Delta, GenerateRequest
+from specdec_core import AsyncEngine, Engine
 from specdec_core.acceptance import AcceptanceTracker
+from specdec_core.calibration import calibrate
 
 logger = logging.getLogger("ray.serve")
-
-
-def sampling_params(req: dict) -> SamplingParams:
-    """The router's request dict -> engine SamplingParams (the router already validated it)."""
-    return SamplingParams(
-        max_new_tokens=int(req["max_tokens"]),
-        temperature=float(req["temperature"]),
-        top_p=float(req["top_p"]),
-        top_k=int(req.get("top_k", 0)),
-        seed=req.get("seed"),
-        stop=tuple(req.get("stop") or ()),
-        ignore_eos=bool(req.get("ignore_eos", False)),
-        num_speculative_tokens=int(req.get("k", 0)),
-        adaptive_k=bool(req.get("adaptive_k", False)),
-        domain=req.get("domain") or "default",
-    )
 
 
 class EngineReplica:
@@ -56,7 +42,7 @@ class EngineReplica:
             max_model_len=cfg.max_model_len,
             trust_remote_code=cfg.trust_remote_code,
         )
-        self._costs, self._costs_source = None, None
+        self._costs, self._costs_source, self._sampled_costs = None, None, None
         if speculative:
             self._calibrate(engine, cfg)
         self.engine = AsyncEngine(engine)
@@ -77,49 +63,48 @@ class EngineReplica:
         if self._costs is None and cfg.calibrate_on_start:
             batches = tuple(b for b in DEFAULT_BATCHES if b <= cfg.max_batch_size)
             qs = tuple(q for q in DEFAULT_QS if q <= cfg.k_max + 1)
-            grid = dict(batches=batches, qs=qs, long_context_len=cfg.max_model_len // 2)
-            self._costs = engine.calibrate(**grid)
-            sampled = engine.calibrate(**grid, temperature=1.0)
+            grid = {"batches": batches, "qs": qs, "long_context_len": cfg.max_model_len // 2}
+            self._costs = calibrate(engine, **grid)
+            sampled = calibrate(engine, **grid, temperature=1.0)
             self._costs_source = f"calibrated:{device}"
         if self._costs is None:
             logger.warning("EngineReplica(%s): no step costs; adaptive K off", self.pool)
             return
         tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight,
                                     cfg.acceptance_half_life_tokens)
+        self._sampled_costs = sampled
         engine.enable_adaptive(self._costs, tracker, sampled_costs=sampled)
         logger.info("EngineReplica(%s): step costs %s in %.1f s (t_T(1,1)=%.2f ms, t_D(1)=%.2f ms)", self.pool,
                     self._costs_source, time.perf_counter() - t0, self._costs.target_time(1, 1) * 1e3,
                     self._costs.draft_time(1) * 1e3)
 
     async def costs(self) -> dict | None:
-        """The replica's step costs (``StepCosts.to_dict()``) and where they came from; None without."""
+        """The replica's step costs (``StepCosts.to_dict()``: greedy, and sampled when calibrated) and
+        where they came from; None without."""
         if self._costs is None:
             return None
-        return {"costs": self._costs.to_dict(), "source": self._costs_source}
+        return {"costs": self._costs.to_dict(), "source": self._costs_source,
+                "sampled_costs": self._sampled_costs.to_dict() if self._sampled_costs else None}
 
     def record_autoscaling_stats(self) -> dict:
         """Serve calls this on each replica; `active_sequences` is the autoscaling policy's `metric`."""
         e = self.engine.engine
         return {"active_sequences": float(e.num_running + e.num_waiting)}
 
-    async def generate(self, req: dict) -> AsyncIterator[dict]:
-        """Stream one request (call with ``handle.options(stream=True)``). ``req``: prompt_ids,
-        max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, k, adaptive_k, domain,
-        request_id, stream_interval_s, resume. With ``adaptive_k`` (mode=auto) the engine re-chooses K <= k
-        every step. Steps are coalesced into one delta per ``stream_interval_s`` (the first
-        and the last go out at once); without it the whole output is one delta.
-
-        Yields {"token_ids", "text", "finished", "finish_reason", "stats"} deltas; stats (a
-        ``RequestStats.as_dict()``) only on the last. Leaving early (caller cancels, client gone)
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        """Stream one request (call with ``handle.options(stream=True)``). With ``adaptive_k``
+        (mode=auto) the engine re-chooses K <= num_speculative_tokens every step. Steps are
+        coalesced into one delta per ``stream_interval_s`` (the first and the last go out at once);
+        without it the whole output is one delta. Leaving early (caller cancels, client gone)
         aborts the request inside the engine and frees its slots."""
-        params = sampling_params(req)
-        interval = req.get("stream_interval_s")  # None: one message, at the end
+        interval = req.stream_interval_s
         t0 = time.perf_counter()
         last = pending = None
         sent_at = float("-inf")  # the first tokens go out at once (time to first token)
-        resume = req.get("resume")  # (output ids, characters sent): a request migrated from a dead replica
-        stream = self.engine.stream(req["prompt_ids"], params, req.get("request_id"),
-                                    (list(resume[0]), int(resume[1])) if resume else None)
+        resume = (list(req.resume.output_ids), req.resume.sent_chars) if req.resume else None
+        if req.drift is not None and self.engine.engine.adaptive is not None:
+            self.engine.engine.adaptive.adopt_drift(req.drift)  # the router's view of served steps
+        stream = self.engine.stream(req.prompt_ids, req.params, req.request_id, resume)
         try:
             async for out in stream:
                 last = out
@@ -128,33 +113,27 @@ class EngineReplica:
                 # engine thread shares: steps that finish within the interval go out as one message.
                 if out.finished or (interval is not None and time.perf_counter() - sent_at >= interval):
                     sent_at = time.perf_counter()
-                    yield {
-                        "token_ids": pending.new_token_ids,
-                        "text": pending.new_text,
-                        "finished": out.finished,
-                        "finish_reason": out.finish_reason,
-                        "stats": out.stats.as_dict() if out.finished else None,
-                    }
+                    yield Delta.of(pending)
                     pending = None
         finally:
             try:
                 await stream.aclose()  # early exit: aborts the request in the engine, frees its slots
             finally:
-                self._log(req, params, last, time.perf_counter() - t0)
+                self._log(req, last, time.perf_counter() - t0)
 
-    def _log(self, req: dict, params, last, latency_s: float) -> None:
+    def _log(self, req: GenerateRequest, last, latency_s: float) -> None:
         """The one log line per request (mode, topology, tokens, acceptance, latency)."""
         self._served += 1
         finished = last is not None and last.finished
         if not finished:
             self._aborted += 1
         s = last.stats if last is not None else None
-        k = params.num_speculative_tokens
+        k = req.params.num_speculative_tokens
         logger.info(
             "request %s pool=%s mode=%s topology=%s k=%d prompt=%d output=%d proposed=%d accepted=%d "
             "acceptance=%.3f mean_len=%.2f latency=%.3fs finish=%s",
-            req.get("request_id"), self.pool, "speculative" if k else "plain", "colocated" if k else None, k,
-            len(req["prompt_ids"]), s.output_tokens if s else 0, s.proposed if s else 0, s.accepted if s else 0,
+            req.request_id, self.pool, "speculative" if k else "plain", "colocated" if k else None, k,
+            len(req.prompt_ids), s.output_tokens if s else 0, s.proposed if s else 0, s.accepted if s else 0,
             s.acceptance_rate if s else 0.0, s.mean_acceptance_length if s else 1.0, latency_s,
             last.finish_reason if finished else "abort",
         )
@@ -177,7 +156,7 @@ class EngineReplica:
             "served": self._served,
             "adaptive": e.adaptive is not None,
             # adaptive K's correction of the calibration, per batch bucket (log2): measured / calibrated step
-            "drift": {b: dataclasses.asdict(d) for b, d in e.adaptive.drift.buckets.items()} if e.adaptive else {},
+            "drift": {b: dataclasses.asdict(d) for b, d in e.adaptive.view.drift.buckets.items()} if e.adaptive else {},
             "costs_source": self._costs_source,
             "aborted": self._aborted,
         }

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from specdec_core.stats import RequestStats
+
 _TAGS = ("pool", "mode", "topology")
 _LATENCY_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 _RATE = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
@@ -24,7 +26,11 @@ _CLASS = ("draft", "temperature_bucket", "domain")
 
 
 class RouterMetrics:
-    def __init__(self):
+    def __init__(self, max_domain_labels: int = 73):
+        # Ray exports every label set it ever saw: traffic-class domains beyond the first this many
+        # share the label "~other", so a churn of users cannot grow the label sets without bound.
+        self._max_domain_labels = max_domain_labels
+        self._domain_labels: set[str] = set()
         self.requests = Counter("specdec_requests_total", "Finished requests by route and finish reason.",
                                 _TAGS + ("finish",))
         self.rejected = Counter("specdec_rejected_total", "Requests refused before running (4xx/5xx).",
@@ -70,23 +76,30 @@ class RouterMetrics:
     def set_running(self, pool: str, n: int) -> None:
         self.running.set(n, tags={"pool": pool})
 
-    def finished(self, pool: str, k: int, topology: str | None, finish: str, stats: dict, latency_s: float,
-                 regime: str = "unknown", realised: float | None = None) -> None:
+    def finished(self, pool: str, k: int, topology: str | None, finish: str, stats: RequestStats | None,
+                 latency_s: float, regime: str = "unknown", realised: float | None = None) -> None:
         tags = {"pool": pool, "mode": "speculative" if k else "plain", "topology": topology or "none"}
         self.requests.inc(tags={**tags, "finish": finish})
-        for counter, key in ((self.output_tokens, "output_tokens"), (self.proposed, "proposed_tokens"),
-                             (self.accepted, "accepted_tokens"), (self.verify_steps, "verify_steps")):
-            if stats.get(key):  # Ray counters reject inc(0)
-                counter.inc(stats[key], tags=tags)
+        if stats is not None:
+            for counter, n in ((self.output_tokens, stats.output_tokens), (self.proposed, stats.proposed),
+                               (self.accepted, stats.accepted), (self.verify_steps, stats.verify_steps)):
+                if n:  # Ray counters reject inc(0)
+                    counter.inc(n, tags=tags)
         self.latency.observe(latency_s, tags=tags)
-        if stats.get("proposed_tokens"):
-            self.acceptance_rate.observe(stats["acceptance_rate"], tags=tags)
-            self.acceptance_length.observe(stats["mean_acceptance_length"], tags=tags)
+        if stats is not None and stats.proposed:
+            self.acceptance_rate.observe(stats.acceptance_rate, tags=tags)
+            self.acceptance_length.observe(stats.mean_acceptance_length, tags=tags)
         if realised is not None:
             self.realised_speedup.observe(realised, tags={"pool": pool, "regime": regime})
 
+    def _domain_label(self, domain: str) -> str:
+        if domain not in self._domain_labels and len(self._domain_labels) >= self._max_domain_labels:
+            return "~other"
+        self._domain_labels.add(domain)
+        return domain
+
     def acceptance(self, cls, estimate: float, per_position: list[float]) -> None:
-        tags = {"draft": cls.draft, "temperature_bucket": cls.temperature_bucket, "domain": cls.domain}
+        tags = {"draft": cls.draft, "temperature_bucket": cls.temperature_bucket, "domain": self._domain_label(cls.domain)}
         self.acceptance_estimate.set(estimate, tags=tags)
         for i, rate in enumerate(per_position):
             self.position_acceptance.set(rate, tags={**tags, "position": str(i)})

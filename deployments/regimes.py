@@ -7,14 +7,17 @@ features and the pools' live loads, calls `route()`, and answers `/v1/regimes`. 
 stays in ``autoscaling/``; cost and acceptance logic in ``specdec_core/``.
 
 Traffic class of a request: (draft name, temperature bucket, domain), domain = the OpenAI
-``user`` field or "default" (``specdec_core.acceptance.TrafficClass``).
+``user`` field, bounded by ``autoscaling.traffic_classes.DomainTable`` (frequent users keep their
+own, the rest share hashed buckets), or "default" (``specdec_core.acceptance.TrafficClass``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
+from autoscaling.exploration import Exploration
 from autoscaling.routing import (
     PLAIN_POOL,
     SPEC_TOPOLOGIES,
@@ -24,17 +27,16 @@ from autoscaling.routing import (
     RoutingDecision,
     RoutingError,
     RoutingThresholds,
+    probe_route,
     route,
 )
+from autoscaling.traffic_classes import DomainTable
 from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
-from specdec_core.costmodel import CostModel, StepCosts, StepDrift
+from specdec_core.cost_view import CostView
+from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts, StepDrift
+from specdec_core.stats import RequestStats
 
 POOLS = ("plain", "colocated", "separate")
-
-# Per-step overhead of the separate topology's two Ray hops (Draft.propose + Target.verify), measured
-# on the 2-core CPU machine with `python -m deployments.measure_hops` (separate minus co-located step
-# time at batch 1): 13-15 ms. The config key `separate_hop_overhead_s` overrides it.
-SEPARATE_HOP_OVERHEAD_S = 14e-3
 
 # Prior step costs until a co-located replica's calibration arrives: docs/ARCHITECTURE.md's CPU table (Facts)
 # (17M target, 1.9M draft, fp32, 2 threads, context 64), seconds. Only q = 1 and 9 were measured;
@@ -44,7 +46,6 @@ PRIOR_COSTS = StepCosts(
     qs=(1, 9),
     target_s=((18.7e-3, 29.9e-3), (31.1e-3, 63.3e-3), (64.8e-3, 207e-3), (161e-3, 548e-3)),
     draft_s=(5.7e-3, 8.6e-3, 11.4e-3, 23.2e-3),
-    hop_overhead_s={"colocated": 0.0, "separate": SEPARATE_HOP_OVERHEAD_S},
     source="prior:ARCHITECTURE.md-table",
 )
 
@@ -76,6 +77,7 @@ class Route:
     batch: int  # per-replica batch the request joins (for the realised speedup)
     adaptive: bool  # auto-mode speculation: the replica re-chooses K <= decision.k every step
     traffic_class: TrafficClass
+    probe: bool = False  # an exploration probe: fixed K, so that every step judges draft tokens
 
 
 class RouteState:
@@ -86,8 +88,11 @@ class RouteState:
         k_max: int,
         default_k: int,
         context_limit: int,
-        separate_hop_s: float = SEPARATE_HOP_OVERHEAD_S,
+        separate_hop_s: float = SEPARATE_HOP_S,
         thresholds: RoutingThresholds | None = None,
+        domains: DomainTable | None = None,
+        exploration: Exploration | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.draft_name = draft_name or "none"
         self.tracker = tracker
@@ -96,25 +101,43 @@ class RouteState:
         self.context_limit = context_limit
         self.separate_hop_s = separate_hop_s
         self.thresholds = thresholds or RoutingThresholds()
+        self.domains = domains or DomainTable()
+        self.exploration = exploration or Exploration()
+        self.clock = clock
         self.set_costs(PRIOR_COSTS)
 
     # ---- costs -------------------------------------------------------------------------------
-    def set_costs(self, costs: StepCosts, source: str | None = None) -> None:
+    def set_costs(self, costs: StepCosts, source: str | None = None, sampled_costs: StepCosts | None = None
+                  ) -> None:
+        """The step costs to price with (the co-located replicas' calibration), greedy and sampled."""
         self.costs = with_hops(costs, self.separate_hop_s)
         self.costs_source = source or costs.source
         # What served requests measure against these costs (new costs: nothing learnt yet). A served
         # step also pays the replica's loop and streaming: measured 1.4-2.2x an engine step here, so
-        # the bounds on a believable drift are wider than inside an engine.
-        self.drift = StepDrift(bounds=SERVED_DRIFT_BOUNDS)
-        self.cost_model = CostModel(self.costs, drift=self.drift)
+        # the bounds on a believable drift are wider than inside an engine. The router owns this
+        # drift; adaptive requests carry it to the replica, which prices with it too (one view).
+        self.view = CostView(self.costs, with_hops(sampled_costs, self.separate_hop_s) if sampled_costs else None,
+                             StepDrift(bounds=SERVED_DRIFT_BOUNDS))
+
+    @property
+    def drift(self) -> StepDrift:
+        return self.view.drift
+
+    def cost_model(self, greedy: bool = True, context_len: int = 0) -> CostModel:
+        return self.view.model(greedy, context_len)
 
     @property
     def calibrated(self) -> bool:
         return not self.costs_source.startswith("prior")
 
     # ---- inputs --------------------------------------------------------------------------------
-    def traffic_class(self, temperature: float, domain: str | None) -> TrafficClass:
-        return TrafficClass.of(self.draft_name, temperature, domain or "default")
+    def traffic_class(self, temperature: float, user: str | None) -> TrafficClass:
+        """The class a request counts under; a user pushed out of the bounded table loses its statistics."""
+        assigned = self.domains.assign(user)
+        if assigned.demoted is not None:
+            self.tracker.forget_domain(assigned.demoted)
+            self.exploration.forget_domain(assigned.demoted)
+        return TrafficClass.of(self.draft_name, temperature, assigned.domain)
 
     def features(self, *, temperature: float, top_p: float, max_tokens: int, prompt_tokens: int, mode: str,
                  k: int | None, topology: str | None, objective: str, cls: TrafficClass) -> RequestFeatures:
@@ -128,7 +151,7 @@ class RouteState:
         return RoutingContext(
             features=features,
             loads=dict(loads),
-            cost_models={t: self.cost_model for t in spec},
+            cost_models=dict.fromkeys(spec, self.view.model_for(cls, features.prompt_tokens)),
             acceptance=self.tracker.estimate(cls),
             evidence=self.tracker.evidence(cls),
             context_limit=self.context_limit,
@@ -138,8 +161,13 @@ class RouteState:
 
     # ---- decision ------------------------------------------------------------------------------
     def decide(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> Route:
-        """`route()` over the deployed pools (``loads`` holds only those). Raises RoutingError."""
-        d = route(self.context(features, loads))
+        """`route()` over the deployed pools (``loads`` holds only those); a class that goes plain
+        for its acceptance sends its scheduled probes to speculation. Raises RoutingError."""
+        ctx = self.context(features, loads)
+        d = route(ctx)
+        probe = probe_route(ctx, d)
+        if probe is not None and self.exploration.probe_due(features.traffic_class, self.clock()):
+            return Route(probe, probe.pool, loads[probe.pool].joined_batch(), False, features.traffic_class, True)
         pool = d.pool
         if pool == PLAIN_POOL and PLAIN_POOL not in loads:
             pool = next((p for p in POOLS if p in loads), None)  # a spec pool decodes plain with K=0
@@ -150,36 +178,38 @@ class RouteState:
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 
     # ---- feedback ------------------------------------------------------------------------------
-    def observe(self, cls: TrafficClass, stats: Mapping) -> None:
-        """A finished request's speculation stats (``RequestStats.as_dict()``): judged positions per
-        position (``proposed_per_position``) and accepted per position, the MLE of acceptance.py."""
-        judged = stats.get("proposed_per_position") or []
+    def observe(self, cls: TrafficClass, stats: RequestStats) -> None:
+        """A finished request's speculation stats: judged positions per position
+        (``proposed_per_position``) and accepted per position, the MLE of acceptance.py."""
+        judged = stats.proposed_per_position
         if sum(judged):
-            self.tracker.observe_request(cls, judged, stats.get("accepted_per_position") or [0] * len(judged),
-                                         int(stats.get("verify_steps") or 1))
+            self.tracker.observe_request(cls, judged, stats.accepted_per_position, stats.verify_steps or 1)
 
-    def observe_timing(self, pool: str, batch: int, stats: Mapping, seconds_per_token: float) -> None:
+    def observe_timing(self, pool: str, batch: int, stats: RequestStats, seconds_per_token: float,
+                       cls: TrafficClass | None = None) -> None:
         """A finished request's measured decode time per token against the step the cost model
         priced, learnt per batch bucket for plain and for co-located speculative steps
         (``StepDrift``). The calibration times engine steps; a served step also pays the replica's
         loop and streaming, which a speculative step spreads over several tokens, so served
         speculation can pay where the engine-step costs say it does not."""
-        verify = int(stats.get("verify_steps") or 0)
+        verify = stats.verify_steps
         # plain_steps counts the prefill's pass, and a fixed-K request may end on a K=0 step (its
         # token budget): one such decode step still leaves the request a K-token one.
-        plain_decode = max(0, int(stats.get("plain_steps") or 0) - 1)
+        plain_decode = max(0, stats.plain_steps - 1)
         if pool not in ("plain", "colocated") or seconds_per_token <= 0 or (verify and plain_decode > 1):
             return  # the separate loop pays hops; a request that changed K has no single step shape
-        k = round(stats["proposed_tokens"] / verify) if verify else 0
-        measured = seconds_per_token * (float(stats.get("mean_acceptance_length") or 1.0) if verify else 1.0)
-        self.drift.observe(k, measured, self.cost_model.calibrated_step_time(batch, k), batch)
+        k = round(stats.proposed / verify) if verify else 0
+        measured = seconds_per_token * (stats.mean_acceptance_length if verify else 1.0)
+        context = stats.prompt_tokens + stats.output_tokens // 2  # its decode steps, on average
+        model = self.view.model_for(cls, context) if cls is not None else self.cost_model()
+        self.drift.observe(k, measured, model.calibrated_step_time(batch, k), batch)
 
     def realised_speedup(self, batch: int, seconds_per_token: float) -> float | None:
         """Plain step time per token at this batch (the cost model) / the request's measured decode
         time per token; ~1 for plain requests when the costs are right."""
         if seconds_per_token <= 0:
             return None
-        return self.cost_model.plain_time_per_token(batch) / seconds_per_token
+        return self.cost_model().plain_time_per_token(batch) / seconds_per_token
 
     # ---- the live map ----------------------------------------------------------------------------
     def regimes(self, loads: Mapping[str, PoolLoad]) -> dict:
@@ -192,11 +222,11 @@ class RouteState:
                                     "acceptance": self.tracker.estimate(TrafficClass(*greedy)), "evidence": 0.0,
                                     "steps": 0, "per_position": []})
         idle = {p: dataclasses.replace(load, active=0, queued=0) for p, load in loads.items()}
-        cm = self.cost_model
         out = []
         for key in sorted(classes, key=lambda k: (k[0], TEMPERATURE_BUCKETS.index(k[1]), k[2])):
             c = dict(classes[key])
             cls = TrafficClass(*key)
+            cm = self.view.model_for(cls)
             a = c["acceptance"]
             best1 = cm.best_k(1, a, self.k_max)
             feats = RequestFeatures(temperature=BUCKET_TEMPERATURE[cls.temperature_bucket], max_tokens=256,

@@ -1,11 +1,11 @@
 """Target deployment of the separate topology: wraps ``specdec_core.Verifier``.
 
-``verify(session_id, token_ids, proposal, sampling)`` runs one verify step (Leviathan et al. 2023,
+``verify(session_id, token_ids, proposal, params)`` runs one verify step (Leviathan et al. 2023,
 Algorithm 1) for one session; ``@serve.batch`` fuses the concurrent calls of many sessions into one
 target forward (``Verifier.verify`` takes a list). ``proposal`` is the Draft's DeploymentResponse,
 passed through by the router unawaited (Serve resolves it before the call runs here), or None for a
 plain step (prefill, K=0, or a request whose draft failed). The outcome (emitted tokens, accepted
-count) goes back to the router, which owns the history and sends it with the next call; the
+count: a ``VerifyResult``) goes back to the router, which owns the history and sends it with the next call; the
 verifier reconciles its KV cache against it (``SequenceSlots.sync``).
 """
 
@@ -22,7 +22,7 @@ from ray import serve
 
 from deployments.config import AppConfig
 from deployments.draft import Tombstones, _Failed, session_generator
-from specdec_core import ModelRunner, Proposal, Verifier, VerifyItem
+from specdec_core import ModelRunner, Proposal, SamplingParams, Verifier, VerifyItem, VerifyResult
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,9 +56,9 @@ class Target:
         self._verify_batch.set_batch_wait_timeout_s(cfg.verify_batch_wait_s)
         logger.info("Target ready: %s slots=%d", cfg.target, runner.num_slots)
 
-    async def verify(self, session_id: str, token_ids: list[int], proposal: Proposal | None, sampling: dict) -> dict:
-        """-> {"emitted": [...], "num_proposed": K, "num_accepted": a}."""
-        result = await self._verify_batch(session_id, list(token_ids), proposal or Proposal([], None), sampling)
+    async def verify(self, session_id: str, token_ids: list[int], proposal: Proposal | None,
+                     params: SamplingParams) -> VerifyResult:
+        result = await self._verify_batch(session_id, list(token_ids), proposal or Proposal([], None), params)
         if isinstance(result, _Failed):
             raise RuntimeError(result.message)  # noqa: TRY004 - a per-item failure, not a type error
         return result
@@ -95,8 +95,7 @@ class Target:
             if sess is None:
                 sess = self._sessions[sid] = _Session(session_generator(smp), time.perf_counter())
                 self._opened += 1
-            items.append(VerifyItem(sid, hist, prop, float(smp["temperature"]), float(smp["top_p"]),
-                                    int(smp.get("top_k", 0)), sess.generator))
+            items.append(VerifyItem(sid, hist, prop, smp.temperature, smp.top_p, smp.top_k, sess.generator))
             index.append(i)
         for i, item, res in zip(index, items, self._verify_isolated(items)):
             if isinstance(res, _Failed):
@@ -107,8 +106,7 @@ class Target:
             sess.proposed += res.num_proposed
             sess.accepted += res.num_accepted
             sess.emitted += len(res.emitted)
-            results[i] = {"emitted": res.emitted, "num_proposed": res.num_proposed,
-                          "num_accepted": res.num_accepted}
+            results[i] = res
         return results
 
     def _verify_isolated(self, items: list[VerifyItem]) -> list:

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--user", default=None, help="OpenAI `user` of every request (its traffic class)")
+    p.add_argument("--interleave", action="store_true",
+                   help="modes take turns round by round on the same prompts (auto first)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("overhead", help="in-process engine vs a running server, same prompts, one run")

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec_bench.common import machine_facts
 from specdec_core import Engine, SamplingParams
+from specdec_core.calibration import calibrate
 from specdec_core.costmodel import CostModel
 from specdec_core.proposers import DraftModelProposer, Proposal, ProposalRequest
 from specdec_core.runner import ModelRunner
@@ -92,8 +93,8 @@ def run_gpu(args) -> dict:
                                        num_speculative_tokens=k) for _ in prompts]
     refs = plain_engine.generate(prompts, params=params(0))
     references = {tuple(p): p + o.token_ids for p, o in zip(prompts, refs)}
-    costs = Engine(target_runner, tokenizer, DraftModelProposer(draft_runner), max_batch_size=max_batch).calibrate(
-        batches=tuple(args.batches), qs=(1, args.k + 1), context_len=args.context)
+    draft_engine = Engine(target_runner, tokenizer, DraftModelProposer(draft_runner), max_batch_size=max_batch)
+    costs = calibrate(draft_engine, batches=tuple(args.batches), qs=(1, args.k + 1), context_len=args.context)
     model = CostModel(costs)
     rows = []
     t_start = time.time()

@@ -4,6 +4,11 @@ Streams completions (SSE) so time to first token (TTFT), time per output token (
 inter-token latency (ITL) are measured per request; arrivals are Poisson at each given rate, or a
 fixed number of concurrent clients. One pass per speculation mode (the project's extension field;
 other servers ignore it). The orchestration-overhead cell is the colocated vs separate pair.
+
+``--interleave``: the modes take turns instead, one round of ``concurrency`` requests (the same
+prompts for every mode) at a time, the order of the modes rotating every round, so that a mode's
+number shares the machine's state with the others'. Round 1 starts with ``auto``: on a fresh
+server its very first request is counted. A mode's tok/s = its tokens / the wall time of its rounds.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
                       extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation, **(extra or {})}
+    if getattr(args, "user", None):
+        body["user"] = args.user
     t0 = time.perf_counter()
     arrivals, final, done, stream_error = [], {}, False, None
     async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -62,6 +69,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         "accepted": spec.get("accepted_tokens", 0),
         "proposed": spec.get("proposed_tokens", 0),
         "route": spec.get("topology") or spec.get("mode"),
+        "regime": spec.get("regime"),
         "migrations": spec.get("migrations", 0),
         "done": done,  # the stream ended with [DONE]
         "stream_error": stream_error,  # an error event's message
@@ -91,6 +99,10 @@ async def run_pass(args, model: str, speculation: dict, rate: float | None) -> d
 
             await asyncio.gather(*[worker() for _ in range(args.concurrency)])
         wall = time.perf_counter() - t0
+    return summarize(results, wall)
+
+
+def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     itl = sorted(x for r in ok for x in r["itl"])
     pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
@@ -105,7 +117,37 @@ async def run_pass(args, model: str, speculation: dict, rate: float | None) -> d
         "itl_ms": {"p50": 1000 * pct(itl, 0.5), "p90": 1000 * pct(itl, 0.9), "p99": 1000 * pct(itl, 0.99)},
         "acceptance_rate": sum(r["accepted"] for r in ok) / proposed if proposed else 0.0,
         "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
+        "regimes": {g: sum(1 for r in ok if r["regime"] == g) for g in {r["regime"] for r in ok}},
     }
+
+
+async def run_interleaved(args, model: str) -> list[dict]:
+    """Rounds of ``concurrency`` requests per mode, the modes' order rotating, auto first in round 1."""
+    prompts = load_prompts(args.prompts, None)
+    modes = sorted(args.modes, key=lambda m: m != "auto")
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    wall = dict.fromkeys(modes, 0.0)
+    first_auto = None
+    rounds = max(1, args.requests // args.concurrency)
+    async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+        for r in tqdm(range(rounds), desc=f"interleaved, concurrency {args.concurrency}"):
+            batch = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*(one_request(client, model, p, args, MODES[mode]) for p in batch))
+                wall[mode] += time.perf_counter() - t0
+                results[mode] += got
+                if mode == "auto" and first_auto is None:
+                    first_auto = got[0]
+    passes = [{"mode": m, "rate": None, "concurrency": args.concurrency, **summarize(results[m], wall[m])}
+              for m in modes]
+    if first_auto is not None:
+        passes[0]["first_request"] = {k: first_auto.get(k) for k in ("latency", "ttft", "route", "regime")}
+    best = max((p for p in passes if p["mode"] != "auto"), key=lambda p: p["throughput_tok_s"], default=None)
+    for p in passes:
+        if best is not None and best["throughput_tok_s"] > 0:
+            p["vs_best_explicit"] = p["throughput_tok_s"] / best["throughput_tok_s"]
+    return passes
 
 
 def run_serve(args) -> dict:
@@ -114,6 +156,13 @@ def run_serve(args) -> dict:
         model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
     rates = args.rates or [None]
     passes = []
+    if getattr(args, "interleave", False):
+        passes = asyncio.run(run_interleaved(args, model))
+        for p in passes:
+            tqdm.write(f"{p['mode']:10s} tput {p['throughput_tok_s']:.1f} tok/s  "
+                       f"x{p.get('vs_best_explicit', 0):.2f} of the best explicit  routes {p['routes']}  "
+                       f"regimes {p['regimes']}  errors {p['errors']}")
+        rates = []
     for rate in rates:
         for mode in tqdm(args.modes, desc=f"rate {rate or f'concurrency {args.concurrency}'}"):
             res = asyncio.run(run_pass(args, model, MODES[mode], rate))
@@ -128,12 +177,17 @@ def run_serve(args) -> dict:
 
 def serve_markdown(data: dict) -> str:
     lines = ["# Serving benchmark", "", f"Config: {data['config']}", "",
-             "| mode | rate | concurrency | tok/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | ITL p50 ms | "
-             "ITL p99 ms | acceptance | errors |", "|---" * 11 + "|"]
+             "| mode | rate | concurrency | tok/s | vs best explicit | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | "
+             "ITL p50 ms | ITL p99 ms | acceptance | routes | errors |", "|---" * 13 + "|"]
     for p in data["passes"]:
+        vs = f"{p['vs_best_explicit']:.2f}" if "vs_best_explicit" in p else ""
         lines.append(
-            f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['throughput_tok_s']:.1f} | "
+            f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['throughput_tok_s']:.1f} | {vs} | "
             f"{p['ttft_ms']['p50']:.0f} | {p['ttft_ms']['p90']:.0f} | {p['tpot_ms']['p50']:.1f} | "
-            f"{p['itl_ms']['p50']:.1f} | {p['itl_ms']['p99']:.1f} | {p['acceptance_rate']:.2f} | {p['errors']} |"
+            f"{p['itl_ms']['p50']:.1f} | {p['itl_ms']['p99']:.1f} | {p['acceptance_rate']:.2f} | "
+            f"{p.get('routes', {})} | {p['errors']} |"
         )
+    first = next((p["first_request"] for p in data["passes"] if "first_request" in p), None)
+    if first:
+        lines += ["", f"First auto request: {first['latency']:.2f} s, routed {first['route']} ({first['regime']})."]
     return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_prompts, machine_facts
 from specdec_core import Engine, SamplingParams
+from specdec_core.calibration import calibrate
 from specdec_core.costmodel import CostModel, StepCosts
 
 MODES = ("plain", "spec", "auto")
@@ -110,7 +111,7 @@ class EnginePool:
                 eng = Engine.from_pretrained(target, str(self.models_dir / draft), max_batch_size=self.max_batch,
                                              max_model_len=1024)
             grid = dict(batches=(1, 8, 32, 64), qs=(1, 2, 3, 5, 9), long_context_len=512)
-            eng.enable_adaptive(eng.calibrate(**grid), sampled_costs=eng.calibrate(**grid, temperature=1.0))
+            eng.enable_adaptive(calibrate(eng, **grid), sampled_costs=calibrate(eng, **grid, temperature=1.0))
             self._engines[draft] = eng
         return self._engines[draft]
 
@@ -147,8 +148,8 @@ class Calibration:
 
 def calibrate_cell(engine: Engine, cell: Cell, prompt_len: int) -> Calibration:
     context_len = prompt_len + cell.max_new_tokens // 2
-    costs = engine.calibrate(batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})), context_len=context_len,
-                             temperature=cell.temperature)
+    costs = calibrate(engine, batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})),
+                      context_len=context_len, temperature=cell.temperature)
     return Calibration(costs, engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2))
 
 

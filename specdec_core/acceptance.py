@@ -30,7 +30,7 @@ Not thread-safe: one owner (the router or an engine loop) updates it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,7 @@ class _ClassStats:
     steps: int = 0  # raw count, for display
     pos_accepted: list[float] = field(default_factory=list)
     pos_judged: list[float] = field(default_factory=list)
+    aged_at: float = 0.0  # clock time up to which the time decay has been applied
 
     def decay(self, factor: float) -> None:
         self.accepted *= factor
@@ -102,9 +103,15 @@ class AcceptanceTracker:
         prior_weight: float = 20.0,
         half_life_tokens: float = 2000.0,
         draft_prior_means: Mapping[str, float] | None = None,
+        half_life_s: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if not 0.0 < prior_mean < 1.0 or prior_weight <= 0 or half_life_tokens <= 0:
             raise ValueError("need 0 < prior_mean < 1, prior_weight > 0, half_life_tokens > 0")
+        if (half_life_s is None) != (clock is None) or (half_life_s is not None and half_life_s <= 0):
+            raise ValueError("time decay needs both half_life_s > 0 and a clock")
+        self.half_life_s = half_life_s
+        self._clock = clock
         self.prior_mean = prior_mean
         self.prior_weight = prior_weight
         self.half_life_tokens = half_life_tokens
@@ -120,7 +127,7 @@ class AcceptanceTracker:
             raise ValueError(f"per_position {decisions} disagrees with proposed={proposed}, accepted={accepted}")
         if not decisions:
             return
-        stats = self._stats.setdefault(cls, _ClassStats())
+        stats = self._entry(cls)
         stats.decay(0.5 ** (len(decisions) / self.half_life_tokens))
         stats.add(decisions)
 
@@ -138,7 +145,7 @@ class AcceptanceTracker:
         total = sum(judged)
         if total == 0:
             return
-        stats = self._stats.setdefault(cls, _ClassStats())
+        stats = self._entry(cls)
         stats.decay(0.5 ** (total / self.half_life_tokens))
         grow = len(judged) - len(stats.pos_judged)
         if grow > 0:
@@ -151,23 +158,43 @@ class AcceptanceTracker:
         stats.judged += total
         stats.steps += max(int(steps), 1)
 
+    def _get(self, cls: TrafficClass) -> _ClassStats | None:
+        """A class's counts, with the time decay applied up to now."""
+        stats = self._stats.get(cls)
+        if stats is not None and self._clock is not None:
+            now = self._clock()
+            stats.decay(0.5 ** (max(0.0, now - stats.aged_at) / self.half_life_s))
+            stats.aged_at = now
+        return stats
+
+    def _entry(self, cls: TrafficClass) -> _ClassStats:
+        stats = self._get(cls)
+        if stats is None:
+            stats = self._stats[cls] = _ClassStats(aged_at=self._clock() if self._clock else 0.0)
+        return stats
+
+    def forget_domain(self, domain: str) -> None:
+        """Drop every class of ``domain`` (its traffic counts under another class from now on)."""
+        for cls in [c for c in self._stats if c.domain == domain]:
+            del self._stats[cls]
+
     def prior(self, cls: TrafficClass) -> float:
         return self.draft_prior_means.get(cls.draft, self.prior_mean)
 
     def estimate(self, cls: TrafficClass) -> float:
         """Posterior mean of a: (prior pseudo-accepts + accepted) / (prior weight + judged)."""
-        stats = self._stats.get(cls)
+        stats = self._get(cls)
         accepted, judged = (stats.accepted, stats.judged) if stats else (0.0, 0.0)
         return (self.prior(cls) * self.prior_weight + accepted) / (self.prior_weight + judged)
 
     def evidence(self, cls: TrafficClass) -> float:
         """Effective number of judged tokens behind the estimate (decayed; prior excluded)."""
-        stats = self._stats.get(cls)
+        stats = self._get(cls)
         return stats.judged if stats else 0.0
 
     def position_rates(self, cls: TrafficClass) -> list[float]:
         """Acceptance rate at each draft position, shrunk to the class estimate like `estimate`."""
-        stats = self._stats.get(cls)
+        stats = self._get(cls)
         if stats is None:
             return []
         a = self.estimate(cls)
@@ -191,7 +218,8 @@ class AcceptanceTracker:
                     "steps": stats.steps,
                     "per_position": self.position_rates(cls),
                 }
-                for cls, stats in sorted(self._stats.items(), key=lambda kv: kv[0].key())
+                for cls, stats in sorted(((c, self._get(c)) for c in list(self._stats)),
+                                         key=lambda kv: kv[0].key())
             ],
         }
 

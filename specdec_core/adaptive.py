@@ -1,84 +1,172 @@
-"""Adaptive K inside an engine: re-choose each request's K every step from the cost model and
-the evidence, so a request whose acceptance collapses drops to K=0 (plain decoding) without
-leaving its replica, and climbs back when a probe shows acceptance has returned.
+"""Adaptive K inside an engine: a state machine per request that re-chooses its K every step.
 
-Per step, a request's acceptance a is its own judged evidence (accepted / judged positions, the
-unbiased estimator of ``acceptance.py``) shrunk towards its traffic class's estimate, which acts
-as a prior of ``prior_weight`` tokens; the choice itself is ``costmodel.adaptive_k`` (goodput-
-optimal K under E_K(a) = (1 - a^(K+1)) / (1 - a), Leviathan et al. 2023, with hysteresis),
-priced by the costs of the request's sampling path at its context length, corrected by the drift
-of real steps from the calibration (``StepDrift``). A ragged batch is padded to its widest row,
-so the engine lets a step speculate only if the whole batch gains (``batch_pays``). Probes run
-per request once it has evidence of its own, per traffic class before (``choose``).
+A request whose acceptance collapses drops to K=0 (plain decoding) without leaving its replica,
+and climbs back when a probe shows that acceptance has returned.
+
+Vocabulary (``costmodel.py``'s): a is the acceptance rate, K the draft tokens a step proposes,
+E_K(a) = (1 - a^(K+1)) / (1 - a) the tokens a step emits (Leviathan et al. 2023). A request's a is
+its own evidence (accepted / judged positions, the unbiased estimator of ``acceptance.py``) shrunk
+towards its traffic class's estimate, which acts as a prior of ``prior_weight`` tokens. The priced
+K is ``costmodel.adaptive_k`` (goodput-optimal K with hysteresis), priced by the ``CostView``
+(``cost_view.py``: the costs of the request's sampling path at its context length, corrected by
+the drift of real steps from the calibration), the same view the router prices with. A served
+request carries the router's estimate for its class (``class_estimate``): it replaces this
+engine's own, and the request starts at the K the router routed it with (the router priced that
+start with the same view); from then on its own evidence decides. A *probe* is a step at ``PROBE_K`` after plain steps: at K=0 nothing
+is judged, so only a probe can show that acceptance is back. The *probe wait* (``probe_every``) is
+how many plain steps pass before one is due; every fall to plain doubles it (``max_probe_every``
+at most), speculating beyond the probe's K resets it to its base.
+
+| from          | priced K               | to          | probe wait          | transition       |
+|---------------|------------------------|-------------|---------------------|------------------|
+| (first step)  | >= 1, pays its catch-up| SPECULATING | base                | ``start``        |
+| (first step)  | otherwise              | PLAIN       | base                | ``start``        |
+| PLAIN         | 0, no probe due        | PLAIN       | kept, steps + 1     | ``hold``         |
+| PLAIN         | 0, probe due           | PLAIN       | kept, steps from 0  | ``decline_probe``|
+| PLAIN         | PROBE_K                | PROBING     | kept                | ``probe``        |
+| PLAIN         | > PROBE_K              | SPECULATING | base                | ``speculate``    |
+| PROBING       | PROBE_K                | PROBING     | kept                | ``hold``         |
+| PROBING       | > PROBE_K: succeeds    | SPECULATING | base                | ``speculate``    |
+| PROBING       | 0: fails               | PLAIN       | doubled             | ``back_off``     |
+| SPECULATING   | the same K             | SPECULATING | base                | ``hold``         |
+| SPECULATING   | another K >= 1         | SPECULATING | base                | ``speculate``    |
+| SPECULATING   | 0: collapse            | PLAIN       | doubled             | ``back_off``     |
+
+Leaving PLAIN at PROBE_K is a probe whether the probe was due or a re-pricing found K=1 just worth
+it: either way one step at K=1 tests whether acceptance is back. A plain request is re-priced every
+``REPRICE_EVERY`` steps and when a probe is due; in between its priced K is 0. A plain request with
+no judged tokens of its own runs on its traffic class's probe clock (``AdaptiveK.choose``). A
+ragged batch is padded to its widest row, so the engine lets a step speculate only if the whole
+batch gains (``batch_pays``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, replace
 
-from specdec_core.acceptance import AcceptanceTracker, TrafficClass, temperature_bucket
-from specdec_core.costmodel import PROBE_CEILING, CostModel, StepDrift, adaptive_k, expected_tokens_per_step
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.cost_view import CostView
+from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k, expected_tokens_per_step
 
-CONTEXT_BUCKET = 64  # tokens: adaptive K prices a request at its context rounded up to this
-GREEDY_BUCKET = temperature_bucket(0.0)
 REPRICE_EVERY = 4  # steps between re-pricings of a request at K=0
 PROBE_BUDGET = 0.05  # share of a request's remaining decode time a probe's draft catch-up may take
+PROBE_K = 1  # a probe's K: the cheapest step that judges a draft token
 
 
-@dataclass
+class Phase(enum.Enum):
+    SPECULATING = "speculating"  # K >= 1 as priced; the probe wait is at its base
+    PLAIN = "plain"  # K = 0: the draft idles; a probe is due after probe_every steps
+    PROBING = "probing"  # K = PROBE_K after plain steps, until K climbs (acceptance is back) or falls to 0
+
+
+@dataclass(frozen=True)
 class KState:
+    phase: Phase
     k: int
-    steps_at_current: int = 0
-    probe_every: int = 16  # steps at K=0 before a probe; doubles after every drop to K=0
+    steps_at_current: int = 0  # steps since K last changed
+    probe_every: int = 16  # the probe wait: steps at K=0 before a probe
+
+
+def probe_due(state: KState) -> bool:
+    return state.steps_at_current >= state.probe_every
+
+
+def start(k: int, base_wait: int) -> KState:
+    """A request's first decode step: speculating at a priced K, or plain."""
+    return KState(Phase.SPECULATING, k, 0, base_wait) if k else KState(Phase.PLAIN, 0, 0, base_wait)
+
+
+def hold(state: KState) -> KState:
+    """The same K one more step."""
+    return replace(state, steps_at_current=state.steps_at_current + 1)
+
+
+def decline_probe(state: KState) -> KState:
+    """A due probe priced out (hopeless or unaffordable): wait another period rather than re-price
+    it every step."""
+    return replace(state, steps_at_current=0)
+
+
+def probe(state: KState) -> KState:
+    return KState(Phase.PROBING, PROBE_K, 0, state.probe_every)
+
+
+def speculate(k: int, base_wait: int) -> KState:
+    """Speculation at a K beyond the probe's shows acceptance is back: the probe wait returns to its base."""
+    return KState(Phase.SPECULATING, k, 0, base_wait)
+
+
+def back_off(state: KState, max_wait: int) -> KState:
+    """Plain again, the next probe twice as far away: traffic where speculation keeps losing pays for
+    fewer probes."""
+    return KState(Phase.PLAIN, 0, 0, min(2 * state.probe_every, max_wait))
+
+
+def next_state(state: KState, k: int, base_wait: int, max_wait: int) -> KState:
+    """The transition a priced ``k`` makes from ``state`` (the module docstring's table)."""
+    if state.phase is Phase.PLAIN:
+        if k == 0:
+            return decline_probe(state) if probe_due(state) else hold(state)
+        return probe(state) if k == PROBE_K else speculate(k, base_wait)
+    if k == 0:
+        return back_off(state, max_wait)
+    return hold(state) if k == state.k else speculate(k, base_wait)
+
+
+def next_class_state(state: KState, clock: KState, k: int, base_wait: int, max_wait: int
+                     ) -> tuple[KState, KState | None]:
+    """A plain request without judged tokens of its own runs on its class's probe ``clock``:
+    (the request's next state, the class's next clock; None when speculation resumes)."""
+    if k == 0:
+        return hold(state), next_state(clock, 0, base_wait, max_wait)
+    if k == PROBE_K:  # the class's probe: the class's next one waits twice as long, whatever this one finds
+        clock = back_off(clock, max_wait)
+        return KState(Phase.PROBING, PROBE_K, 0, clock.probe_every), clock
+    return speculate(k, base_wait), None
 
 
 class AdaptiveK:
     def __init__(
         self,
-        cost_model: CostModel,
+        view: CostView,
         tracker: AcceptanceTracker,
         draft_name: str,
         topology: str = "colocated",
         probe_every: int = 16,
         max_probe_every: int = 256,
-        sampled_cost_model: CostModel | None = None,
     ):
-        self.cost_model = cost_model
-        # Sampling costs more per step than greedy argmaxes (draft distributions, the rejection
-        # sampler: +15-20% of a batch-1 step here), so sampled traffic may get its own costs.
-        self.sampled_cost_model = sampled_cost_model or cost_model
-        self._by_context: dict[tuple[bool, int], CostModel] = {}
-        self.drift = StepDrift()  # shared by every cost model below
+        self.view = view
+        self.learns_drift = True  # False once the view prices with another owner's drift (``adopt_drift``)
         self.tracker = tracker
         self.draft_name = draft_name
         self.topology = topology
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
-        self._class_probes: dict[TrafficClass, KState] = {}  # probe schedule of evidence-less requests
+        self._class_clocks: dict[TrafficClass, KState] = {}  # probe clocks of plain requests without evidence
 
     def traffic_class(self, temperature: float, domain: str) -> TrafficClass:
         return TrafficClass.of(self.draft_name, temperature, domain)
 
     def cost_model_for(self, cls: TrafficClass, context_len: int = 0) -> CostModel:
-        """The cost model for this class's sampling path, priced at the context (rounded up to a
-        multiple of 64 tokens, and cached, so a step does not rebuild a grid per request)."""
-        greedy = cls.temperature_bucket == GREEDY_BUCKET
-        key = (greedy, -(-context_len // CONTEXT_BUCKET))
-        model = self._by_context.get(key)
-        if model is None:
-            base = self.cost_model if greedy else self.sampled_cost_model
-            model = CostModel(base.costs.at_context(key[1] * CONTEXT_BUCKET), drift=self.drift)
-            self._by_context[key] = model
-        return model
+        return self.view.model_for(cls, context_len)
 
-    def acceptance(self, cls: TrafficClass, accepted: int, judged: int) -> float:
+    def adopt_drift(self, drift) -> None:
+        """Price with the router's drift (``StepDrift``), which it learns from served steps: one owner."""
+        self.view.adopt(drift)
+        self.learns_drift = False
+
+    def acceptance(self, cls: TrafficClass, accepted: int, judged: int, class_estimate: float | None = None
+                   ) -> float:
+        """The request's own evidence shrunk towards its class's estimate (the router's, when given)."""
         prior_weight = self.tracker.prior_weight
-        return (accepted + prior_weight * self.tracker.estimate(cls)) / (judged + prior_weight)
+        prior = self.tracker.estimate(cls) if class_estimate is None else class_estimate
+        return (accepted + prior_weight * prior) / (judged + prior_weight)
 
     def choose(self, state: KState | None, cls: TrafficClass, accepted: int, judged: int, batch: int,
-               k_max: int, remaining_tokens: int = 1 << 30, catch_up_tokens: int = 0, context_len: int = 0
-               ) -> KState:
-        """The next K for one request; ``state`` None on its first decode step.
+               k_max: int, remaining_tokens: int = 1 << 30, catch_up_tokens: int = 0, context_len: int = 0,
+               class_estimate: float | None = None) -> KState:
+        """A request's next state, whose ``k`` is its K this step; ``state`` None on its first decode step.
 
         ``catch_up_tokens`` is what the draft has not seen: the prompt on the first step, the tokens
         emitted during plain steps later. Speculation starts (or a probe runs) only if its saving
@@ -87,82 +175,65 @@ class AdaptiveK:
         for a probe at ``PROBE_CEILING`` (could it pay if acceptance were back?) and within
         ``PROBE_BUDGET``.
         """
-        if state is not None and state.k == 0:
-            kept = self._keep_plain_unpriced(state, cls, judged)
-            if kept is not None:
-                return kept
-        a = self.acceptance(cls, accepted, judged)
+        a = self.acceptance(cls, accepted, judged, class_estimate)
         model = self.cost_model_for(cls, context_len)
+        if state is None and class_estimate is not None:
+            # Routed here to speculate by a router that priced the start with this view: start speculating.
+            return start(model.best_k(batch, a, k_max, self.topology, allow_plain=False).k, self.probe_every)
         if state is None:  # as if at K=0: speculation must beat plain by the margin to start
-            k = adaptive_k(model, batch, a, k_max, 0, 0, self.topology, probe_every=self.probe_every)
+            k = adaptive_k(model, batch, a, k_max, 0, 0, self.topology, probe_every=self.probe_every,
+                           probe_k=PROBE_K)
             pays = self._pays_for_catch_up(model, batch, a, k_max, remaining_tokens, catch_up_tokens)
-            return KState(k if pays else 0, probe_every=self.probe_every)
-        # A request at K=0 with no judged tokens of its own knows only its class's estimate, so a
-        # probe would test the class: it runs on the class's schedule (one probe per probe_every
-        # plain row-steps of the class, backing off across requests), not once per request.
-        own = state.k > 0 or judged > 0
-        schedule = self._probe_schedule(state, cls, own)
-        k = adaptive_k(
-            model, batch, a, k_max, state.k, schedule.steps_at_current, self.topology,
-            probe_every=schedule.probe_every,
-        )
-        if state.k == 0 and k > 0 and not self._probe_affordable(
-            model, batch, a, k_max, remaining_tokens, catch_up_tokens
-        ):
-            k = 0
-        if k > 1:
-            self._class_probes.pop(cls, None)  # speculation pays: class probes restart at the base wait
+            return start(k if pays else 0, self.probe_every)
+        # A plain request with no judged tokens of its own knows only its class's estimate, so a probe
+        # would test the class: it runs on the class's clock (one probe per probe_every plain
+        # row-steps of the class, backing off across requests), not once per request.
+        own = state.phase is not Phase.PLAIN or judged > 0
+        clock = state if own else self._class_clocks.get(cls, KState(Phase.PLAIN, 0, 0, self.probe_every))
+        k = self._price(state, clock, model, a, batch, k_max, remaining_tokens, catch_up_tokens)
+        if k > PROBE_K:
+            self._class_clocks.pop(cls, None)  # speculation pays: class probes restart at the base wait
         if own:
-            return self._advance(state, k)
-        if k == 0:
-            self._class_probes[cls] = self._advance(schedule, 0)
-            return KState(0, state.steps_at_current + 1, state.probe_every)
-        wait = min(2 * schedule.probe_every, self.max_probe_every)
-        if k == 1:  # the class's probe: the next one waits twice as long
-            self._class_probes[cls] = KState(0, 0, wait)
-        return KState(k, 0, wait if k == 1 else self.probe_every)
+            return next_state(state, k, self.probe_every, self.max_probe_every)
+        state, clock = next_class_state(state, clock, k, self.probe_every, self.max_probe_every)
+        if clock is not None:
+            self._class_clocks[cls] = clock
+        return state
 
-    def _keep_plain_unpriced(self, state: KState, cls: TrafficClass, judged: int) -> KState | None:
-        """At K=0 a request gains no evidence of its own and its other inputs (class estimate,
-        drift, context) move slowly, so it is re-priced every ``REPRICE_EVERY`` steps and whenever
-        a probe is due; in between it stays plain (pricing is ~25 us a row: ~1% of a batch-1 step
-        here, 2-3% at batch 4)."""
-        own = judged > 0
-        schedule = self._probe_schedule(state, cls, own)
-        if (state.steps_at_current + 1) % REPRICE_EVERY == 0 or schedule.steps_at_current >= schedule.probe_every:
-            return None
-        if own:
-            return self._advance(state, 0)
-        self._class_probes[cls] = self._advance(schedule, 0)
-        return KState(0, state.steps_at_current + 1, state.probe_every)
-
-    def _probe_schedule(self, state: KState, cls: TrafficClass, own: bool) -> KState:
-        """Whose probe clock applies: the request's own once it has evidence, else its class's."""
-        return state if own else self._class_probes.get(cls, KState(0, 0, self.probe_every))
-
-    def _advance(self, state: KState, k: int) -> KState:
-        """A request's state after choosing ``k``."""
-        if k == state.k:
-            if k == 0 and state.steps_at_current >= state.probe_every:
-                # The probe was declined (hopeless or unaffordable): wait another period before
-                # asking again, rather than re-pricing it every step.
-                return KState(0, 0, state.probe_every)
-            return KState(k, state.steps_at_current + 1, state.probe_every)
-        # Back off: every fall to plain (a failed probe or a collapse) doubles the wait before the
-        # next probe, so traffic where speculation keeps losing pays for fewer probes; speculating
-        # beyond the probe's K shows that acceptance has returned and resets it.
-        if k == 0:
-            probe_every = min(2 * state.probe_every, self.max_probe_every)
-        elif k > 1:
-            probe_every = self.probe_every
-        else:
-            probe_every = state.probe_every
-        return KState(k, 0, probe_every)
+    def _price(self, state: KState, clock: KState, model: CostModel, a: float, batch: int, k_max: int,
+               remaining_tokens: int, catch_up_tokens: int) -> int:
+        """This step's K from the cost model. At K=0 a request gains no evidence of its own and its other
+        inputs (class estimate, drift, context) move slowly, so a plain request is priced only every
+        ``REPRICE_EVERY`` steps and when a probe is due; in between its K is 0 (pricing is ~25 us a
+        row: ~1% of a batch-1 step here, 2-3% at batch 4)."""
+        plain = state.phase is Phase.PLAIN
+        if plain and not probe_due(clock) and (state.steps_at_current + 1) % REPRICE_EVERY:
+            return 0
+        k = adaptive_k(model, batch, a, k_max, state.k, clock.steps_at_current, self.topology,
+                       probe_every=clock.probe_every, probe_k=PROBE_K)
+        if not (plain and k > 0):
+            return k
+        return k if self._probe_affordable(model, batch, a, k_max, remaining_tokens, catch_up_tokens) else 0
 
     def observe_step(self, cls: TrafficClass, context_len: int, batch: int, k: int, seconds: float) -> None:
         """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
-        model = self.cost_model_for(cls, context_len)
-        self.drift.observe(k, seconds, model.calibrated_step_time(batch, k, self.topology), batch)
+        if self.learns_drift:
+            model = self.cost_model_for(cls, context_len)
+            self.view.drift.observe(k, seconds, model.calibrated_step_time(batch, k, self.topology), batch)
+
+    def unless_batch_loses(self, ks: list[int], adaptive: list[bool], classes: list[TrafficClass],
+                           evidence: list[tuple[int, int, float | None]], context_len: int) -> list[int]:
+        """A step's K per row, the adaptive rows' at 0 unless the whole (padded) batch gains from them
+        (``batch_pays``). Per row: whether it is adaptive, its class, its (accepted, judged, class
+        estimate or None) evidence."""
+        speculating = {i for i, (on, k) in enumerate(zip(adaptive, ks)) if on and k > 0}
+        if not speculating:
+            return ks
+        acceptances = [self.acceptance(cls, *row) for cls, row in zip(classes, evidence)]
+        model = self.cost_model_for(classes[min(speculating)], context_len)
+        if self.batch_pays(model, ks, acceptances):
+            return ks
+        return [0 if i in speculating else k for i, k in enumerate(ks)]
 
     def batch_pays(self, model: CostModel, ks: list[int], acceptances: list[float]) -> bool:
         """Does this step's mix of K beat a plain step for the batch as a whole?

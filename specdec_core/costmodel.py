@@ -18,7 +18,7 @@ handle calls per step). A K+1-token verify is ~1.5x a plain step at batch 1 and
 3-4x at batch 32-128 on CPU (docs/ARCHITECTURE.md, Facts), which is what makes
 speculation lose at large batch.
 
-Costs come either from timing the models (`calibrate`) or, for hardware we do
+Costs come either from timing the models (`specdec_core.calibration`) or, for hardware we do
 not have, from a roofline (`specdec_core.roofline.roofline_costs`); both give a
 `StepCosts` that the same `CostModel` answers from. `adaptive_k` re-chooses K per step inside a
 speculative replica from the same model. Pure: no I/O, no torch.
@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 TOPOLOGIES = ("colocated", "separate")
 
-# Median Ray Serve handle call, replica to replica, measured on the CPU machine
-# (docs/ARCHITECTURE.md (Facts): 7-11 ms). The separate topology pays two per step
-# (Draft.propose, Target.verify).
-RAY_HOP_S = 8e-3
-DEFAULT_HOP_OVERHEAD_S: Mapping[str, float] = {"colocated": 0.0, "separate": 2 * RAY_HOP_S}
+# Per-step overhead of the separate topology's two Ray hops (Draft.propose, Target.verify): its step
+# time minus the co-located one at batch 1, 13-15 ms on the CPU machine (`python -m
+# deployments.measure_hops`, docs/ARCHITECTURE.md Facts). Its one home: the serving config's
+# `separate_hop_overhead_s` defaults to it.
+SEPARATE_HOP_S = 14e-3
+DEFAULT_HOP_OVERHEAD_S: Mapping[str, float] = {"colocated": 0.0, "separate": SEPARATE_HOP_S}
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # Acceptance a probe is priced at: "would speculation pay if acceptance were back?"
@@ -326,57 +327,6 @@ class CostModel:
         return self.costs.draft_time(batch) / self.plain_time_per_token(batch)
 
 
-def fit_draft_cost(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """(seconds per draft token, seconds per step) from (K, draft phase seconds) measurements:
-    least squares of propose(K) = per_step + K per_token, with per_step >= 0 (a fit below zero
-    is noise: then the line through the origin)."""
-    ks = [k for k, _ in points]
-    if len(set(ks)) > 1:
-        mean_k = sum(ks) / len(ks)
-        mean_t = sum(t for _, t in points) / len(points)
-        slope = sum((k - mean_k) * (t - mean_t) for k, t in points) / sum((k - mean_k) ** 2 for k in ks)
-        intercept = mean_t - slope * mean_k
-        if intercept >= 0 and slope > 0:
-            return slope, intercept
-    return sum(k * t for k, t in points) / sum(k * k for k in ks), 0.0
-
-
-def calibrate(
-    time_target: Callable[[int, int], float],
-    time_draft: Callable[[int], float] | None,
-    batches: Sequence[int] = DEFAULT_BATCHES,
-    qs: Sequence[int] = DEFAULT_QS,
-    hop_overhead_s: Mapping[str, float] = DEFAULT_HOP_OVERHEAD_S,
-    time_draft_step: Callable[[int], float] | None = None,
-) -> StepCosts:
-    """Time every grid point with the given functions (e.g. `runner.time_step`,
-    median seconds per forward). time_draft None: a model-free proposer, ~0 s;
-    time_draft_step: a speculative step's draft cost beyond K forwards (``StepCosts.draft_step_s``).
-
-    Timing noise on a shared machine only ever adds time, and a forward with more
-    tokens or rows is never cheaper, so each measurement is capped by every
-    measurement at a larger shape (a suffix minimum along q and along batch): a
-    spike at one grid point would otherwise flip the best K (seen: t_T(1, 2) >
-    t_T(1, 5) made K=2 look worse than K=4)."""
-    target = [_suffix_min([float(time_target(b, q)) for q in qs]) for b in batches]
-    columns = [_suffix_min([row[j] for row in target]) for j in range(len(qs))]
-    return StepCosts(
-        batches=tuple(batches),
-        qs=tuple(qs),
-        target_s=tuple(tuple(col[i] for col in columns) for i in range(len(batches))),
-        draft_s=tuple(_suffix_min([float(time_draft(b)) if time_draft else 0.0 for b in batches])),
-        hop_overhead_s=dict(hop_overhead_s),
-        draft_step_s=tuple(float(time_draft_step(b)) for b in batches) if time_draft_step else (),
-    )
-
-
-def _suffix_min(values: list[float]) -> list[float]:
-    out = list(values)
-    for i in range(len(out) - 2, -1, -1):
-        out[i] = min(out[i], out[i + 1])
-    return out
-
-
 def adaptive_k(
     cost_model: CostModel,
     batch: float,
@@ -412,8 +362,9 @@ def adaptive_k(
     current_time = cost_model.spec_time_per_token(batch, min(current_k, k_max), acceptance, topology)
     if best.k > 0 and (current_k == 0 or current_time > plain_time):
         # Leaving plain decoding, or a K that loses to it (a probe, a fall in acceptance): only for a
-        # gain over plain beyond the margin. Near break-even, each switch costs a draft catch-up.
-        if best.time_per_token_s < (1.0 - hysteresis) * plain_time:
+        # gain over plain beyond the margin (the router's rule: a predicted speedup above 1 + margin).
+        # Near break-even, each switch costs a draft catch-up.
+        if best.predicted_speedup > 1.0 + hysteresis:
             return best.k
         best = KChoice(0, plain_time, 1.0)
     if current_k == 0 and best.k == 0:

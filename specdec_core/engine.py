@@ -12,11 +12,8 @@ caches as soft state keyed by request id and reconcile against that history on e
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
 import logging
-import statistics
 import threading
 import time
 from collections import deque
@@ -27,10 +24,13 @@ import torch
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK, KState
-from specdec_core.costmodel import CostModel, StepCosts, calibrate, fit_draft_cost
-from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest, Proposer
+from specdec_core.calibration import calibrate
+from specdec_core.cost_view import CostView
+from specdec_core.costmodel import StepCosts
+from specdec_core.loading import load_models
+from specdec_core.proposers import Proposal, ProposalRequest, Proposer
 from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids
-from specdec_core.runner import ModelRunner, load_tokenizer
+from specdec_core.runner import ModelRunner
 from specdec_core.verifier import Verifier, VerifyItem
 
 logger = logging.getLogger(__name__)
@@ -94,138 +94,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls,
-        target: str,
-        draft: str | None = None,
-        proposer: str | None = None,
-        *,
-        device: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        max_batch_size: int = 32,
-        max_model_len: int = 1024,
-        trust_remote_code: bool = False,
-        ngram_max_n: int = 4,
+        cls, target: str, draft: str | None = None, proposer: str | None = None, *, device: str | None = None,
+        dtype: str | torch.dtype | None = None, max_batch_size: int = 32, max_model_len: int = 1024,
+        trust_remote_code: bool = False, ngram_max_n: int = 4,
     ) -> Engine:
-        """Load a target and optionally a draft from local paths or hub names.
-
-        ``proposer`` is "draft" (needs ``draft``) or "ngram"; by default "draft" when a draft is
-        given, else "ngram", so every engine can speculate.
-        """
-        proposer = proposer or ("draft" if draft else "ngram")
-        if proposer not in ("draft", "ngram"):
-            raise ValueError(f"proposer must be 'draft' or 'ngram', got {proposer!r}")
-        if proposer == "draft" and not draft:
-            raise ValueError("proposer='draft' needs a draft model path")
-        tokenizer = load_tokenizer(target, trust_remote_code)
-        runner_kw = dict(
-            device=device, dtype=dtype, max_slots=max_batch_size, max_len=max_model_len,
-            trust_remote_code=trust_remote_code,
+        """Load a target and its proposer from local paths or hub names (``loading.load_models``):
+        ``proposer`` is "draft" (needs ``draft``) or "ngram", by default "draft" when a draft is given."""
+        target_runner, tokenizer, prop = load_models(
+            target, draft, proposer, device=device, dtype=dtype, max_slots=max_batch_size,
+            max_len=max_model_len, trust_remote_code=trust_remote_code, ngram_max_n=ngram_max_n,
         )
-        target_runner = ModelRunner.from_pretrained(target, **runner_kw)
-        prop: Proposer
-        if proposer == "draft":
-            check_same_tokenizer(tokenizer, load_tokenizer(draft, trust_remote_code), target, draft)
-            draft_runner = ModelRunner.from_pretrained(draft, **runner_kw)
-            if draft_runner.vocab_size != target_runner.vocab_size:
-                raise ValueError(
-                    f"draft vocab size {draft_runner.vocab_size} != target vocab size {target_runner.vocab_size}"
-                )
-            prop = DraftModelProposer(draft_runner, name=str(draft))
-        else:
-            prop = NgramProposer(max_n=ngram_max_n)
         return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size)
-
-    def calibrate(
-        self, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 6,
-        temperature: float = 0.0, long_context_len: int | None = None,
-    ) -> StepCosts:
-        """Measure step costs on this hardware through the engine's own code paths (seconds).
-
-        For each batch b and verify width q = K+1, b requests decode with fixed K on a periodic
-        prompt (so every proposer proposes all K tokens): t_T(b, q) is the verify phase of a step
-        (target forward + sampling + bookkeeping), t_D(b) the propose phase per draft token. The
-        framework overhead is thereby inside the costs, as it is inside real steps. With
-        ``temperature`` > 0 the steps take the sampling path (draft distributions, the rejection
-        sampler), which costs more per step than greedy argmaxes. With ``long_context_len`` the
-        batch-1 steps are timed again at that context, which gives the per-token context slopes
-        (``StepCosts.at_context``). The engine must be idle.
-        """
-        if self.has_work():
-            raise RuntimeError("calibrate needs an idle engine")
-        batches = [b for b in batches if b <= min(self.max_batch_size, self.target.num_free_slots)]
-        speculative = self.proposer is not None and max(qs) > 1
-        draft_phase = {}  # batch -> [(K, seconds of the step's draft phase)]
-
-        def time_target(b: int, q: int) -> float:
-            verify, propose = self._time_steps(b, q - 1, context_len, steps, temperature)
-            if q > 1:
-                draft_phase.setdefault(b, []).append((q - 1, propose))
-            return verify
-
-        @functools.cache
-        def draft_fit(b: int) -> tuple[float, float]:  # (per token, per step): one fit per batch
-            return fit_draft_cost(draft_phase[b])
-
-        time_draft = (lambda b: draft_fit(b)[0]) if speculative else None
-        time_draft_step = (lambda b: draft_fit(b)[1]) if speculative else None
-        proposer = self.proposer
-        if speculative and not proposer.proposes_full_k:
-            # A lookup finds no match in the synthetic prompt's continuation and would propose
-            # nothing, so the "K+1" verifies would be plain steps: time full-width verifies instead.
-            self.proposer = _FullWidthProposer()
-        try:
-            costs = calibrate(time_target, time_draft, batches=batches, qs=qs,  # target first: draft_phase filled
-                              time_draft_step=time_draft_step)
-            costs = dataclasses.replace(costs, context_len=context_len)
-            long_context_len = min(long_context_len or 0, self.max_model_len - (steps + 3) * max(qs))
-            if long_context_len > context_len:
-                costs = self._context_slopes(costs, qs, long_context_len, steps, temperature)
-        finally:
-            self.proposer = proposer
-        runner = getattr(proposer, "runner", None)
-        if speculative and runner is not None:
-            prefill_tokens = min(256, runner.max_len - 1)
-            per_token = runner.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
-            costs = dataclasses.replace(costs, draft_prefill_s_per_token=per_token)
-        return costs
-
-    def _context_slopes(self, costs: StepCosts, qs, long_context_len: int, steps: int, temperature: float
-                        ) -> StepCosts:
-        extra = long_context_len - costs.context_len
-        slopes, draft_slopes = [], []
-        for q in qs:
-            verify, propose = self._time_steps(1, q - 1, long_context_len, steps, temperature)
-            slopes.append(max(0.0, verify - costs.target_time(1, q)) / extra)
-            if q > 1 and self.proposer is not None:
-                per_token = (propose - costs.draft_step_time(1)) / (q - 1)
-                draft_slopes.append(max(0.0, per_token - costs.draft_time(1)) / extra)
-        return dataclasses.replace(
-            costs, context_slope_s=tuple(slopes),
-            draft_context_slope_s=statistics.median(draft_slopes) if draft_slopes else 0.0,
-        )
-
-    def _time_steps(self, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0
-                    ) -> tuple[float, float]:
-        """Median (verify seconds, propose seconds) of ``steps`` decode steps at this batch and K."""
-        params = SamplingParams(max_new_tokens=(steps + 3) * (k + 1), temperature=temperature, seed=0,
-                                ignore_eos=True, num_speculative_tokens=k)
-        context_len = min(context_len, self.max_model_len - params.max_new_tokens)
-        period = [(7 * i + 3) % self.target.vocab_size for i in range(7)]
-        prompt = (period * (context_len // 7 + 1))[:context_len]
-        ids = [self.add_request(prompt, params) for _ in range(batch)]
-        verify, propose = [], []
-        try:
-            self.step()  # prefill
-            self.step()  # the draft's catch-up on the prompt
-            for _ in range(steps):
-                self.step()
-                verify.append(self.last_step.verify_s)
-                propose.append(self.last_step.propose_s)
-        finally:
-            for rid in ids:
-                self.abort(rid)
-            self.step()
-        return statistics.median(verify), statistics.median(propose)
 
     def enable_adaptive(
         self, costs: StepCosts | None = None, tracker: AcceptanceTracker | None = None, topology: str = "colocated",
@@ -238,12 +117,10 @@ class Engine:
             raise ValueError("adaptive K needs a proposer")
         if costs is None:
             long = self.max_model_len // 2
-            costs = self.calibrate(long_context_len=long)
-            sampled_costs = sampled_costs or self.calibrate(temperature=1.0, long_context_len=long)
-        self.adaptive = AdaptiveK(
-            CostModel(costs), tracker or AcceptanceTracker(), self.proposer.name, topology,
-            sampled_cost_model=CostModel(sampled_costs) if sampled_costs else None,
-        )
+            costs = calibrate(self, long_context_len=long)
+            sampled_costs = sampled_costs or calibrate(self, temperature=1.0, long_context_len=long)
+        self.adaptive = AdaptiveK(CostView(costs, sampled_costs), tracker or AcceptanceTracker(), self.proposer.name,
+                                  topology)
         return self.adaptive
 
     # ---- requests ----------------------------------------------------------------------------
@@ -371,7 +248,11 @@ class Engine:
         batch = len(rows)
         ks = [self._choose_k(r, batch) for r in rows]
         if self.adaptive is not None and batch > 1:
-            ks = self._unless_batch_loses(rows, ks)
+            ks = self.adaptive.unless_batch_loses(
+                ks, [r.params.adaptive_k for r in rows], [self._traffic_class(r) for r in rows],
+                [(r.stats.accepted, sum(r.stats.proposed_per_position), r.params.class_acceptance) for r in rows],
+                max(len(r.tokens) for r in rows),
+            )
         catch_up = max(r.draft_catch_up for r in rows)
         t = time.perf_counter()
         proposals = self._propose(rows, ks)
@@ -397,25 +278,10 @@ class Engine:
                 req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
                 batch, k, remaining_tokens=req.params.max_new_tokens - len(req.output_ids),
                 catch_up_tokens=req.draft_catch_up, context_len=len(req.tokens),
+                class_estimate=req.params.class_acceptance,
             )
             k = req.k_state.k
         return req.budget_k(k, self.max_model_len)
-
-    def _unless_batch_loses(self, rows: list[_Request], ks: list[int]) -> list[int]:
-        """Adaptive rows speculate this step only if the whole (padded) batch gains from it."""
-        adaptive = {i for i, r in enumerate(rows) if r.params.adaptive_k and ks[i] > 0}
-        if not adaptive:
-            return ks
-        classes = [self._traffic_class(r) for r in rows]
-        acceptances = [
-            self.adaptive.acceptance(cls, r.stats.accepted, sum(r.stats.proposed_per_position))
-            for cls, r in zip(classes, rows)
-        ]
-        context = max(len(r.tokens) for r in rows)
-        model = self.adaptive.cost_model_for(classes[min(adaptive)], context)
-        if self.adaptive.batch_pays(model, ks, acceptances):
-            return ks
-        return [0 if i in adaptive else k for i, k in enumerate(ks)]
 
     def _propose(self, rows: list[_Request], ks: list[int]) -> list[Proposal]:
         proposals = [Proposal([], None) for _ in rows]
@@ -531,29 +397,3 @@ class Engine:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
-
-class _FullWidthProposer:
-    """Calibration stand-in for a proposer that may propose fewer than K tokens: exactly K copies
-    of the last token, at ~0 cost (like a lookup's). Verify cost does not depend on which tokens
-    are proposed."""
-
-    name = "calibration"
-    proposes_full_k = True
-
-    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        return [Proposal([r.token_ids[-1]] * r.k, None) for r in requests]
-
-    def release(self, seq_id: str) -> None:
-        return None
-
-    def num_sequences(self) -> int:
-        return 0
-
-
-def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
-    """Speculation compares token ids, so draft and target must share one vocabulary."""
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ValueError(
-            f"draft {draft_name!r} and target {target_name!r} have different tokenizers "
-            f"({len(draft_tok)} vs {len(target_tok)} tokens); speculative decoding needs a shared vocabulary"
-        )

@@ -30,6 +30,9 @@ class SamplingParams:
     num_speculative_tokens: int = 0  # K; 0 = plain decoding; the upper bound of K when adaptive_k
     adaptive_k: bool = False  # re-choose K every step from the cost model and acceptance (engine needs one)
     domain: str = "default"  # traffic-class key for acceptance statistics (e.g. the OpenAI `user`)
+    # The router's acceptance estimate for the request's traffic class (served adaptive requests):
+    # adaptive K shrinks the request's own evidence towards it instead of the engine's own estimate.
+    class_acceptance: float | None = None
 
     def validate(self) -> None:
         """Refuse settings a step could not run (ValueError), so that one request cannot fail the
@@ -46,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.class_acceptance is not None and not 0 <= self.class_acceptance <= 1:
+            raise ValueError(f"class_acceptance must be in [0, 1], got {self.class_acceptance}")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
 

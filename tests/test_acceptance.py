@@ -124,3 +124,26 @@ def test_observe_request_matches_stepwise_counts():
     assert agg.evidence(CLS) == pytest.approx(stepwise.evidence(CLS))
     with pytest.raises(ValueError):
         agg.observe_request(CLS, [1], [2])
+
+
+def test_time_decay_returns_a_silent_class_to_the_prior():
+    """A class routed to plain decoding produces no evidence: with a clock its old counts halve every
+    half_life_s, so the estimate drifts back to the prior instead of freezing at a stale value."""
+    now = [0.0]
+    tr = AcceptanceTracker(prior_mean=0.6, prior_weight=20, half_life_s=60.0, clock=lambda: now[0])
+    cls = TrafficClass("d", "greedy", "code")
+    tr.observe_request(cls, [400], [40])  # a = 0.1 on 400 judged tokens
+    low = tr.estimate(cls)
+    assert low < 0.15 and tr.evidence(cls) == pytest.approx(400)
+    now[0] = 60.0
+    assert tr.evidence(cls) == pytest.approx(200)
+    assert tr.estimate(cls) == pytest.approx((0.6 * 20 + 20) / 220)
+    now[0] = 600.0
+    assert tr.estimate(cls) > 0.55  # ten half-lives: the prior again
+    tr.observe_request(cls, [10], [9])  # fresh evidence counts in full
+    assert tr.evidence(cls) == pytest.approx(10 + 400 / 2**10, rel=1e-3)
+    without = AcceptanceTracker(prior_mean=0.6, prior_weight=20)
+    without.observe_request(cls, [400], [40])
+    assert without.estimate(cls) == pytest.approx(low)  # no clock: counts decay by tokens only
+    with pytest.raises(ValueError):
+        AcceptanceTracker(half_life_s=60.0)

@@ -5,8 +5,10 @@ import itertools
 
 import pytest
 
-from specdec_core import AcceptanceTracker, AdaptiveK, CostModel, Engine, NgramProposer, StepCosts
-from specdec_core.adaptive import KState
+from specdec_core import AcceptanceTracker, AdaptiveK, Engine, NgramProposer, StepCosts, TrafficClass
+from specdec_core.cost_view import CostView
+from specdec_core.adaptive import PROBE_K, KState, Phase, next_class_state, next_state
+from specdec_core.calibration import calibrate
 
 # Synthetic costs shaped like docs/ARCHITECTURE.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
 # batch 1 and ~3.4x at batch 64.
@@ -53,12 +55,107 @@ def test_adaptive_k_is_plain_at_large_batch_for_moderate_acceptance():
         target_s=((0.0187, 0.0195, 0.024, 0.0299), (0.11, 0.17, 0.26, 0.38)),
         draft_s=(0.0015, 0.006),
     )
-    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.5), "draft")
+    policy = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.5), "draft")
     cls = policy.traffic_class(0.0, "default")
     assert policy.choose(None, cls, 0, 0, batch=1, k_max=8).k > 0
     assert policy.choose(None, cls, 0, 0, batch=64, k_max=8).k == 0
     # With its own evidence of a collapse, a request at batch 1 drops to plain too.
     assert policy.choose(None, cls, accepted=0, judged=200, batch=1, k_max=8).k == 0
+
+
+# ---- the state machine: each transition of adaptive.py's table ----
+
+BASE, MAX_WAIT = 4, 64
+
+
+@pytest.mark.parametrize(
+    "state, k, after",
+    [
+        pytest.param(KState(Phase.PLAIN, 0, 1, 8), 0, KState(Phase.PLAIN, 0, 2, 8), id="plain holds"),
+        pytest.param(KState(Phase.PLAIN, 0, 8, 8), 0, KState(Phase.PLAIN, 0, 0, 8), id="due probe declined"),
+        pytest.param(KState(Phase.PLAIN, 0, 8, 8), PROBE_K, KState(Phase.PROBING, PROBE_K, 0, 8), id="probe"),
+        pytest.param(KState(Phase.PLAIN, 0, 3, 8), 4, KState(Phase.SPECULATING, 4, 0, BASE), id="plain resumes"),
+        pytest.param(KState(Phase.PROBING, 1, 0, 8), 1, KState(Phase.PROBING, 1, 1, 8), id="probe continues"),
+        pytest.param(KState(Phase.PROBING, 1, 2, 8), 4, KState(Phase.SPECULATING, 4, 0, BASE), id="probe succeeds"),
+        pytest.param(KState(Phase.PROBING, 1, 2, 8), 0, KState(Phase.PLAIN, 0, 0, 16), id="probe fails"),
+        pytest.param(KState(Phase.PROBING, 1, 0, 48), 0, KState(Phase.PLAIN, 0, 0, MAX_WAIT), id="wait capped"),
+        pytest.param(KState(Phase.SPECULATING, 4, 2, BASE), 4, KState(Phase.SPECULATING, 4, 3, BASE),
+                     id="speculating holds"),
+        pytest.param(KState(Phase.SPECULATING, 4, 2, BASE), 1, KState(Phase.SPECULATING, 1, 0, BASE),
+                     id="speculating re-chooses"),
+        pytest.param(KState(Phase.SPECULATING, 4, 2, BASE), 0, KState(Phase.PLAIN, 0, 0, 2 * BASE), id="collapse"),
+    ],
+)
+def test_transition_table(state, k, after):
+    assert next_state(state, k, BASE, MAX_WAIT) == after
+
+
+def test_class_clock_transitions():
+    """A plain request without evidence of its own steps on its class's clock: the class's probe
+    backs the clock off before its outcome is known; speculation beyond a probe drops the clock."""
+    request, clock = KState(Phase.PLAIN, 0, 2, BASE), KState(Phase.PLAIN, 0, 3, 8)
+    assert next_class_state(request, clock, 0, BASE, MAX_WAIT) == (
+        KState(Phase.PLAIN, 0, 3, BASE), KState(Phase.PLAIN, 0, 4, 8))
+    assert next_class_state(request, KState(Phase.PLAIN, 0, 8, 8), 0, BASE, MAX_WAIT)[1] == KState(
+        Phase.PLAIN, 0, 0, 8)  # the class's due probe declined
+    assert next_class_state(request, clock, PROBE_K, BASE, MAX_WAIT) == (
+        KState(Phase.PROBING, PROBE_K, 0, 16), KState(Phase.PLAIN, 0, 0, 16))
+    assert next_class_state(request, clock, 4, BASE, MAX_WAIT) == (KState(Phase.SPECULATING, 4, 0, BASE), None)
+
+
+def collapsed_policy(**kw) -> tuple[AdaptiveK, TrafficClass]:
+    policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=BASE, **kw)
+    return policy, policy.traffic_class(0.0, "default")
+
+
+BACK, GONE = {"accepted": 390, "judged": 400}, {"accepted": 0, "judged": 400}  # own evidence: acceptance back / gone
+
+
+def test_collapse_falls_to_plain_with_doubled_wait():
+    policy, cls = collapsed_policy()
+    state = policy.choose(None, cls, **BACK, batch=1, k_max=8)
+    assert state.phase is Phase.SPECULATING and state.k > PROBE_K and state.probe_every == BASE
+    state = policy.choose(state, cls, **GONE, batch=1, k_max=8)
+    assert state == KState(Phase.PLAIN, 0, 0, 2 * BASE)
+
+
+def test_plain_holds_until_a_probe_is_due_then_probes():
+    policy, cls = collapsed_policy()
+    state = KState(Phase.PLAIN, 0, 0, BASE)
+    for steps in range(1, BASE + 1):
+        state = policy.choose(state, cls, **GONE, batch=1, k_max=8)
+        assert state == KState(Phase.PLAIN, 0, steps, BASE)
+    state = policy.choose(state, cls, **GONE, batch=1, k_max=8)  # due
+    assert state == KState(Phase.PROBING, PROBE_K, 0, BASE)
+
+
+def test_probe_succeeds_to_speculating_at_base_wait():
+    policy, cls = collapsed_policy()
+    state = policy.choose(KState(Phase.PROBING, PROBE_K, 0, 32), cls, **BACK, batch=1, k_max=8)
+    assert state.phase is Phase.SPECULATING and state.k > PROBE_K and state.probe_every == BASE
+
+
+def test_probe_fails_to_plain_with_doubled_wait():
+    policy, cls = collapsed_policy(max_probe_every=48)
+    state = policy.choose(KState(Phase.PROBING, PROBE_K, 0, 16), cls, **GONE, batch=1, k_max=8)
+    assert state == KState(Phase.PLAIN, 0, 0, 32)
+    state = policy.choose(KState(Phase.PROBING, PROBE_K, 0, 32), cls, **GONE, batch=1, k_max=8)
+    assert state == KState(Phase.PLAIN, 0, 0, 48)  # at most max_probe_every
+
+
+def test_request_without_evidence_probes_when_its_class_is_due():
+    """No judged tokens of its own: the class's clock (BASE plain row-steps) makes the probe due, and
+    the class's next probe waits twice as long."""
+    policy, cls = collapsed_policy()
+    state = policy.choose(None, cls, 0, 0, batch=1, k_max=8)
+    assert state.phase is Phase.PLAIN
+    for _ in range(BASE):
+        state = policy.choose(state, cls, 0, 0, batch=1, k_max=8)
+        assert state.phase is Phase.PLAIN
+    assert policy._class_clocks[cls] == KState(Phase.PLAIN, 0, BASE, BASE)
+    state = policy.choose(state, cls, 0, 0, batch=1, k_max=8)
+    assert state == KState(Phase.PROBING, PROBE_K, 0, 2 * BASE)
+    assert policy._class_clocks[cls] == KState(Phase.PLAIN, 0, 0, 2 * BASE)
 
 
 def test_auto_needs_enable_adaptive(tiny_models):
@@ -69,7 +166,7 @@ def test_auto_needs_enable_adaptive(tiny_models):
 
 def test_calibrate_measures_a_cost_grid(tiny_models):
     eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256, max_batch_size=4)
-    costs = eng.calibrate(batches=(1, 4), qs=(1, 3))
+    costs = calibrate(eng, batches=(1, 4), qs=(1, 3))
     assert costs.batches == (1, 4) and costs.qs == (1, 3)
     assert all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
     assert eng.target.num_free_slots == 4
@@ -79,35 +176,35 @@ def test_prefill_heavy_request_starts_plain():
     """A long prompt with a short output cannot amortise the draft's prefill; a long output can."""
     costs = StepCosts(batches=(1,), qs=(1, 5), target_s=((0.0187, 0.024),), draft_s=(0.0015,),
                       draft_prefill_s_per_token=0.0004)
-    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.7), "draft")
+    policy = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.7), "draft")
     cls = policy.traffic_class(0.0, "default")
     assert policy.choose(None, cls, 0, 0, batch=1, k_max=4, remaining_tokens=4, catch_up_tokens=500).k == 0
     assert policy.choose(None, cls, 0, 0, batch=1, k_max=4, remaining_tokens=500, catch_up_tokens=500).k > 0
 
 
 def test_failed_probes_back_off_and_speculation_resets_the_interval():
-    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
     cls = policy.traffic_class(0.0, "default")
     state = policy.choose(None, cls, accepted=0, judged=400, batch=1, k_max=8)
-    ks, waits = [], []
+    phases, waits = [], []
     for _ in range(40):  # acceptance stays collapsed: every probe fails
         state = policy.choose(state, cls, accepted=0, judged=400, batch=1, k_max=8)
-        ks.append(state.k)
+        phases.append(state.phase)
         waits.append(state.probe_every)
-    probes = [i for i, k in enumerate(ks) if k == 1]
+    probes = [i for i, phase in enumerate(phases) if phase is Phase.PROBING]
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes thin out
     assert max(waits) > 4
     # Acceptance returns: the next probe climbs past K=1 and the interval is back at its base.
-    state = policy.choose(KState(1, 0, max(waits)), cls, accepted=390, judged=400, batch=1, k_max=8)
-    assert state.k > 1 and state.probe_every == 4
+    state = policy.choose(KState(Phase.PROBING, 1, 0, max(waits)), cls, accepted=390, judged=400, batch=1, k_max=8)
+    assert state.phase is Phase.SPECULATING and state.k > 1 and state.probe_every == 4
 
 
 def test_requests_without_evidence_probe_on_their_class_schedule():
     """Short requests of a class where speculation does not pay start at K=0 with no judged tokens of
     their own: a probe would test the class, so the class probes, not every request, and its probes
     back off across requests. Once one request speculates beyond K=1, the class's wait is back at base."""
-    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
     cls = policy.traffic_class(0.0, "default")
     probes_at = []
     for request in range(20):  # 20 requests x 10 decode steps
@@ -122,8 +219,8 @@ def test_requests_without_evidence_probe_on_their_class_schedule():
     assert 2 <= len(probes_at) <= 8  # once per request would be 20
     assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
     # Acceptance is back: a request that speculates at K > 1 resets the class's wait.
-    policy.choose(KState(1, 0, 4), cls, accepted=390, judged=400, batch=1, k_max=8)
-    assert cls not in policy._class_probes
+    policy.choose(KState(Phase.PROBING, 1, 0, 4), cls, accepted=390, judged=400, batch=1, k_max=8)
+    assert cls not in policy._class_clocks
 
 
 def test_plain_requests_are_repriced_every_few_steps():
@@ -131,11 +228,11 @@ def test_plain_requests_are_repriced_every_few_steps():
     acceptance starts speculation within that many steps, not on the very next one."""
     from specdec_core.adaptive import REPRICE_EVERY
 
-    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=64)
+    policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=64)
     cls = policy.traffic_class(0.0, "default")
     kw = dict(accepted=390, judged=400, batch=1, k_max=8)  # evidence says speculation pays now
-    assert policy.choose(KState(0, 0, 64), cls, **kw).k == 0  # between re-pricings
-    assert policy.choose(KState(0, REPRICE_EVERY - 1, 64), cls, **kw).k > 0
+    assert policy.choose(KState(Phase.PLAIN, 0, 0, 64), cls, **kw).k == 0  # between re-pricings
+    assert policy.choose(KState(Phase.PLAIN, 0, REPRICE_EVERY - 1, 64), cls, **kw).k > 0
 
 
 def test_probe_waits_when_the_draft_catch_up_cannot_pay():
@@ -143,15 +240,15 @@ def test_probe_waits_when_the_draft_catch_up_cannot_pay():
     prefill for a handful of remaining tokens, so it is skipped; with few tokens to catch up it runs."""
     costs = StepCosts(batches=COSTS.batches, qs=COSTS.qs, target_s=COSTS.target_s, draft_s=COSTS.draft_s,
                       draft_prefill_s_per_token=0.001)
-    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    policy = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
     cls = policy.traffic_class(0.0, "default")
-    state = KState(0, steps_at_current=10, probe_every=4)  # at K=0, a probe is due
+    state = KState(Phase.PLAIN, 0, steps_at_current=10, probe_every=4)  # a probe is due
     kw = dict(accepted=0, judged=400, batch=1, k_max=8, remaining_tokens=8)
     declined = policy.choose(state, cls, catch_up_tokens=600, **kw)
-    assert declined.k == 0
+    assert declined.phase is Phase.PLAIN
     # A declined probe waits another period instead of being re-priced every step.
     assert declined.steps_at_current == 0 and declined.probe_every == 4
-    assert policy.choose(state, cls, catch_up_tokens=2, **kw).k == 1
+    assert policy.choose(state, cls, catch_up_tokens=2, **kw).phase is Phase.PROBING
 
 
 def test_probe_after_a_long_prompt_stays_within_budget():
@@ -159,13 +256,13 @@ def test_probe_after_a_long_prompt_stays_within_budget():
     remaining decode time on the catch-up even though it could pay off at acceptance 0.95."""
     costs = StepCosts(batches=COSTS.batches, qs=COSTS.qs, target_s=COSTS.target_s, draft_s=COSTS.draft_s,
                       draft_prefill_s_per_token=5e-5)
-    policy = AdaptiveK(CostModel(costs), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
+    policy = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.05), "draft", probe_every=4)
     cls = policy.traffic_class(0.0, "default")
-    state = KState(0, steps_at_current=10, probe_every=4)
+    state = KState(Phase.PLAIN, 0, steps_at_current=10, probe_every=4)
     kw = dict(accepted=0, judged=400, batch=1, k_max=8, remaining_tokens=48)
     assert policy.choose(state, cls, catch_up_tokens=16, **kw).k == 1  # 0.8 ms of ~900 ms: probe
     # 200 ms: would pay off at acceptance 0.95 (~0.5 s saved), but is over 5% of the ~0.9 s left
-    assert policy._pays_for_catch_up(policy.cost_model, 1, 0.95, 8, 48, 4000)
+    assert policy._pays_for_catch_up(policy.view.model(True), 1, 0.95, 8, 48, 4000)
     assert policy.choose(state, cls, catch_up_tokens=4000, **kw).k == 0
 
 
@@ -181,7 +278,7 @@ def test_ngram_calibration_times_full_width_verifies(tiny_models):
         return verify(items)
 
     eng.verifier.verify = recording_verify
-    eng.calibrate(batches=(1,), qs=(1, 9), steps=5)
+    calibrate(eng, batches=(1,), qs=(1, 9), steps=5)
     assert 8 in widths  # q = 9: K = 8 draft tokens verified, not plain steps labelled K+1
     assert isinstance(eng.proposer, NgramProposer)  # restored
 
@@ -189,8 +286,8 @@ def test_ngram_calibration_times_full_width_verifies(tiny_models):
 def test_batch_pays_prices_the_padded_batch():
     """At batch 8 with a cheap draft, every row speculating at high acceptance pays; one row at K=4
     among plain rows does not: it widens every row's verify to 5 tokens for ~3 extra tokens."""
-    policy = AdaptiveK(CostModel(COSTS), AcceptanceTracker(), "draft")
-    model = policy.cost_model
+    policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(), "draft")
+    model = policy.view.model(True)
     assert policy.batch_pays(model, [4] * 8, [0.9] * 8)
     assert not policy.batch_pays(model, [4] + [0] * 7, [0.9] * 8)
     assert policy.batch_pays(model, [0] * 8, [0.9] * 8)  # a plain step is never vetoed

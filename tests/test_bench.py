@@ -13,7 +13,7 @@ CELL_KEYS = {
     "auto_vs_best", "acceptance", "cost_ratio", "predicted_speedup", "runs",
 }
 REGIMES = {"favorable", "high_entropy", "expensive_draft", "domain_mismatch", "large_batch",
-           "orchestration_overhead", "long_context", "prefill_heavy", "unknown"}
+           "orchestration_overhead", "long_context", "prefill_heavy", "no_gain", "unknown"}
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,13 @@ import math
 import pytest
 
 from specdec_bench.predict import load_shape
+from specdec_core.calibration import cost_grid, fit_draft_cost
 from specdec_core.costmodel import (
     CostModel,
     StepCosts,
     StepDrift,
     adaptive_k,
-    calibrate,
     expected_tokens_per_step,
-    fit_draft_cost,
     leviathan_speedup,
 )
 from specdec_core.roofline import (
@@ -139,18 +138,18 @@ def test_validation():
         StepCosts(batches=(1,), qs=(1, 2), target_s=((1.0,),), draft_s=(0.1,))
 
 
-def test_calibrate_calls_grid():
+def test_cost_grid_calls_every_grid_point():
     calls = []
 
     def time_target(b, q):
         calls.append((b, q))
         return 0.01 * b + 0.001 * q
 
-    costs = calibrate(time_target, lambda b: 0.002 * b, batches=(1, 4), qs=(1, 3), hop_overhead_s={"colocated": 0.0})
+    costs = cost_grid(time_target, lambda b: 0.002 * b, batches=(1, 4), qs=(1, 3), hop_overhead_s={"colocated": 0.0})
     assert calls == [(1, 1), (1, 3), (4, 1), (4, 3)]
     assert costs.target_time(4, 3) == pytest.approx(0.043)
     assert costs.draft_time(4) == pytest.approx(0.008)
-    assert calibrate(time_target, None, batches=(1,), qs=(1,)).draft_s == (0.0,)
+    assert cost_grid(time_target, None, batches=(1,), qs=(1,)).draft_s == (0.0,)
 
 
 def test_draft_phase_is_affine_in_k():
@@ -170,10 +169,10 @@ def test_draft_phase_is_affine_in_k():
     assert StepCosts.from_dict(costs.to_dict()) == costs
 
 
-def test_calibrate_caps_noise_spikes_by_larger_shapes():
+def test_cost_grid_caps_noise_spikes_by_larger_shapes():
     """A spike at (b=1, q=2) above the q=5 measurement is noise: it is capped, the rest kept."""
     measured = {(1, 1): 2.0, (1, 2): 4.0, (1, 5): 3.0, (8, 1): 1.5, (8, 2): 5.0, (8, 5): 6.0}
-    costs = calibrate(lambda b, q: measured[b, q], {1: 0.9, 8: 0.8}.get, batches=(1, 8), qs=(1, 2, 5))
+    costs = cost_grid(lambda b, q: measured[b, q], {1: 0.9, 8: 0.8}.get, batches=(1, 8), qs=(1, 2, 5))
     assert costs.target_s == ((1.5, 3.0, 3.0), (1.5, 5.0, 6.0))
     assert costs.draft_s == (0.8, 0.8)
 

@@ -93,6 +93,26 @@ def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
     after = router_stats(server)
     if deployment == "Draft":  # no migration: the rest of the request ran plain verify steps
         assert after["draft_failures"] == before["draft_failures"] + 1
-    else:
-        assert after["migrations"] == before["migrations"] + 1
-        assert chunks[-1]["speculation"]["migrations"] == 1
+        return
+    assert after["migrations"] == before["migrations"] + 1
+    assert chunks[-1]["speculation"]["migrations"] == 1
+    # The pool lost its only replica: priced unavailable until it answers a health probe again, so
+    # nothing waits for its restart. Plain decoding runs in the co-located pool meanwhile (K=0);
+    # speculation asked for in that pool itself gets a clean 503 with Retry-After. (A tiny model's
+    # replica can be back within a second or two: the follow-up runs only while the pool is down.)
+    assert after["pools_lost"].get(path, 0) == before["pools_lost"].get(path, 0) + 1, after
+    if path in router_stats(server)["down"]:
+        with httpx.Client(base_url=server["url"], timeout=300) as client:
+            r = client.post("/v1/completions", json={**body, "max_tokens": 8})
+        if path == "plain":
+            assert r.status_code == 200, r.text
+            spec = r.json()["speculation"]
+            assert (spec["pool"], spec["num_speculative_tokens"]) == ("colocated", 0), spec
+        else:
+            assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
+            assert r.json()["error"]["code"] == "unavailable"
+    wait_running()
+    deadline = time.time() + 60
+    while router_stats(server)["down"]:
+        assert time.time() < deadline, "the restarted pool was never probed back up"
+        time.sleep(0.5)

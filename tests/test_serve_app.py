@@ -65,6 +65,7 @@ def app_args(models: dict, calibration_file: str | None = None) -> dict:
         "max_inflight_requests": MAX_INFLIGHT,
         "calibration_file": calibration_file,
         "acceptance_prior": ACCEPTANCE_PRIOR,
+        "traffic_class_promote_after": 1,  # each test's `user` is a class of its own at once
         "router": small,
         "plain": small,
         "colocated": small,
@@ -460,7 +461,7 @@ def test_auto_burst_goes_plain_in_large_batch_regime(server):
 
 
 ROUTING_REGIMES = ("favorable", "high_entropy", "expensive_draft", "domain_mismatch", "large_batch",
-                   "orchestration_overhead", "long_context", "prefill_heavy", "unknown")
+                   "orchestration_overhead", "long_context", "prefill_heavy", "no_gain", "unknown")
 
 
 def test_regimes_endpoint(client):

@@ -10,9 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from autoscaling.routing import PoolLoad, RoutingError
+from autoscaling.traffic_classes import DomainTable
 from deployments.config import AppConfig, resolve_model_path
 from deployments.regimes import PRIOR_COSTS, RouteState, objective_of, with_hops
-from deployments.router import SeparateRequest, choose_route
+from deployments.separate_loop import SeparateRequest
 from deployments.session_router import SessionAffinityRouter, owner
 from specdec_core import SamplingParams
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
@@ -31,7 +32,7 @@ def _compute_bound_costs() -> StepCosts:
 
 def _state(a=0.9, evidence=0, costs=None, **kw) -> RouteState:
     tr = AcceptanceTracker(prior_mean=a)
-    st = RouteState("d", tr, k_max=8, default_k=4, context_limit=512, **kw)
+    st = RouteState("d", tr, k_max=8, default_k=4, context_limit=512, domains=DomainTable(promote_after=1), **kw)
     if costs is not None:
         st.set_costs(costs, "test")
     if evidence:
@@ -46,7 +47,7 @@ def route(loads=ALL, state=None, mode="auto", k=None, topology=None, temperature
     cls = st.traffic_class(temperature, domain)
     f = st.features(temperature=temperature, top_p=1.0, max_tokens=max_tokens, prompt_tokens=prompt_tokens,
                     mode=mode, k=k, topology=topology, objective=objective, cls=cls)
-    return choose_route(st, f, loads)
+    return st.decide(f, loads)
 
 
 def test_glue_context_from_loads_tracker_costs():
@@ -100,7 +101,7 @@ def test_glue_explicit_and_fallbacks():
     {"mode": "turbo"}, {"k": 9}, {"k": -1}, {"topology": "remote"}, {"mode": "plain", "k": 2},
     {"mode": "plain", "topology": "separate"}, {"mode": "speculative", "k": 0}, {"topology": "colocated", "k": 0},
 ])
-def test_choose_route_rejects(features):
+def test_route_decision_rejects(features):
     with pytest.raises(RoutingError):
         route(**features)
 
@@ -110,11 +111,11 @@ def test_glue_observe_and_regimes_map():
     assert st.costs_source.startswith("prior") and not st.calibrated
     cls = st.traffic_class(0.0, "code")
     # a request: K=4, steps accepted 4, 1, 0 -> judged per position [3, 2, 1, 1], accepted [2, 1, 1, 1]
-    stats = {"proposed_per_position": [3, 2, 1, 1], "accepted_per_position": [2, 1, 1, 1], "verify_steps": 3}
+    stats = RequestStats(proposed_per_position=[3, 2, 1, 1], accepted_per_position=[2, 1, 1, 1], verify_steps=3)
     st.observe(cls, stats)
     assert st.tracker.evidence(cls) == pytest.approx(7)
     assert st.tracker.estimate(cls) == pytest.approx((0.6 * 20 + 5) / 27)
-    st.observe(cls, {"proposed_per_position": [], "accepted_per_position": []})  # plain request: nothing
+    st.observe(cls, RequestStats())  # plain request: nothing
     assert st.tracker.evidence(cls) == pytest.approx(7)
     st.set_costs(_compute_bound_costs(), "calibrated:cpu")
     m = st.regimes({"plain": PoolLoad(active=2), "colocated": PoolLoad(active=30)})
@@ -129,7 +130,7 @@ def test_glue_observe_and_regimes_map():
     assert m["classes"][1]["choice"]["pool"] == "colocated"  # batch 1: the load of the pool is ignored
     assert st.realised_speedup(1, 0.007) == pytest.approx(2.0)
     assert m["costs"]["drift"] == {}
-    st.observe_timing("plain", 1, {"verify_steps": 0, "plain_steps": 9}, 1.2 * st.cost_model.plain_time_per_token(1))
+    st.observe_timing("plain", 1, RequestStats(plain_steps=9), 1.2 * st.cost_model().plain_time_per_token(1))
     drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
     assert drift[0]["plain_steps"] == 1 and drift[0]["plain"] > 1.0 and drift[0]["spec_steps"] == 0
 
@@ -239,13 +240,13 @@ def test_separate_request_stopping_rules():
     assert (r.output_ids, r.finish_reason) == ([0, 1, 2], "length")
     r = _req(max_new_tokens=10, stop=("cd",))
     r.commit([0, 1, 2, 3, 4])
-    assert (r.finish_reason, r.delta()["text"]) == ("stop", "ab")
+    assert (r.finish_reason, r.delta().text) == ("stop", "ab")
     r = _req(max_new_tokens=10)
     r.commit([0, 1])
     d = r.delta()
-    assert (d["token_ids"], d["text"], d["finished"]) == ([0, 1], "ab", False)
+    assert (d.token_ids, d.text, d.finished) == ([0, 1], "ab", False)
     r.commit([2])
-    assert r.delta()["token_ids"] == [2]
+    assert r.delta().token_ids == [2]
     assert r.budget_k(4, max_len=100) == 4
     assert r.budget_k(9, max_len=6) == 1  # 5 tokens held, room for 1 draft token
     r2 = _req(max_new_tokens=2)
@@ -257,12 +258,9 @@ def test_router_metrics_accept_zero_counts():
     from deployments.metrics import RouterMetrics
 
     m = RouterMetrics()
-    m.finished("plain", 0, None, "length", {"output_tokens": 3, "proposed_tokens": 0, "accepted_tokens": 0,
-                                            "verify_steps": 0}, 0.1)
-    m.finished("colocated", 4, "colocated", "abort", {}, 0.1)
-    m.finished("colocated", 4, "colocated", "length", {"output_tokens": 8, "proposed_tokens": 8,
-                                                       "accepted_tokens": 0, "acceptance_rate": 0.0,
-                                                       "mean_acceptance_length": 1.0, "verify_steps": 4},
+    m.finished("plain", 0, None, "length", RequestStats(output_tokens=3), 0.1)
+    m.finished("colocated", 4, "colocated", "abort", None, 0.1)
+    m.finished("colocated", 4, "colocated", "length", RequestStats(output_tokens=8, proposed=8, verify_steps=4),
                0.1, "favorable", 1.3)
     m.routed("plain", 0, "large_batch", "auto", 1.0)
     m.set_running("plain", 0)
@@ -281,7 +279,7 @@ def test_specdec_calibrate_cli(tiny_models, tmp_path):
     assert costs.target_time(1, 1) > 0 and costs.draft_time(1) > 0
 
 
-def _served_stats(k: int, decode_steps: int, budget_tail: bool = False, plain_decode: int = 0) -> dict:
+def _served_stats(k: int, decode_steps: int, budget_tail: bool = False, plain_decode: int = 0) -> RequestStats:
     """A finished request's stats as the engine records them: the prefill's pass counts as a plain
     step; K=k decode steps accepting 2 of k each; optional K=0 decode steps."""
     stats = RequestStats()
@@ -290,7 +288,7 @@ def _served_stats(k: int, decode_steps: int, budget_tail: bool = False, plain_de
         stats.record_verify(k, min(2, k))
     for _ in range(plain_decode + budget_tail):
         stats.record_verify(0, 0)
-    return stats.as_dict()
+    return stats
 
 
 def test_served_step_times_correct_the_routing():
@@ -301,10 +299,10 @@ def test_served_step_times_correct_the_routing():
     st = _state(costs=_compute_bound_costs())
     loads = {**ALL, "colocated": PoolLoad(active=8), "separate": PoolLoad(active=12)}
     assert route(loads, state=st).pool == "plain"
-    cm, batch = st.cost_model, loads["colocated"].joined_batch()
+    cm, batch = st.cost_model(), loads["colocated"].joined_batch()
     plain = _served_stats(k=0, decode_steps=40)
     spec = _served_stats(k=4, decode_steps=10, budget_tail=True)  # ends on a K=0 step: still a K=4 request
-    assert spec["plain_steps"] == 2 and spec["mean_acceptance_length"] == 3.0
+    assert spec.plain_steps == 2 and spec.mean_acceptance_length == 3.0
     for _ in range(30):
         st.observe_timing("separate", batch, spec, 1.0)  # hops: not a step-cost drift
         st.observe_timing("colocated", batch, _served_stats(k=4, decode_steps=10, plain_decode=5), 1.0)  # K changed

@@ -1,0 +1,51 @@
+"""The typed messages that cross the serving layer's Ray boundaries (no Ray here).
+
+Router -> engine replica: ``GenerateRequest``; engine replica (or the separate loop) -> router:
+``Delta``. The separate topology's calls carry the engine's own types: ``SamplingParams`` to both
+sides, ``Proposal`` from the Draft, ``VerifyResult`` from the Target (``specdec_core``). Each side
+builds and reads these dataclasses, never a dict by string key, so a field added on one side is a
+field the other can see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec_core import RequestOutput, RequestStats, SamplingParams
+from specdec_core.costmodel import StepDrift
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a migrated request continues: the tokens already emitted to the client and the
+    characters of text already sent (the new replica prefills prompt + these and emits only what
+    comes after)."""
+
+    output_ids: list[int]
+    sent_chars: int
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # validated and normalized by the router
+    stream_interval_s: float | None = None  # coalesce steps into one delta per interval; None: one delta at the end
+    resume: Resume | None = None
+    drift: StepDrift | None = None  # the router's drift, for an adaptive request: the replica prices with it
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What a request produced since its previous delta; ``stats`` only on the last one."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
+    stats: RequestStats | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> Delta:
+        return cls(out.new_token_ids, out.new_text, out.finished, out.finish_reason,
+                   out.stats if out.finished else None)

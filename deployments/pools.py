@@ -1,0 +1,208 @@
+"""The pools behind one interface: ``Pools.generate(plan)`` streams a planned request's deltas
+from the pool it was routed to, moves it when the replica serving it dies, and reports what ran.
+
+- plain pool: ``EngineReplica`` without a draft; co-located pool: ``EngineReplica`` with draft +
+  target in one process (``handle.options(stream=True).generate(GenerateRequest)``);
+- separate topology: ``SeparateLoop`` (Draft and Target deployments, the loop in this process).
+
+Migration (as NVIDIA Dynamo's): if the replica serving a request dies (or, in the separate
+topology, the Target), an engine replica prefills prompt + the tokens emitted so far and goes on
+from there, so the client's stream continues without a gap or a repeat; the router relayed every
+emitted token, so it has them all. At most ``migration_limit`` moves per request.
+
+A pool that lost a replica is down (priced as unavailable: routing and migration skip it) until a
+health probe, once a second, gets an answer from it again: Serve holds calls to a pool whose only
+replica restarts (~15 s here), and a request routed there would wait that long.
+
+Load: ``active`` counts the requests this router runs in each pool (the batch the cost model
+prices). When a request ends, its stats teach the ``RouteState`` (acceptance per traffic class,
+served step times) and the metrics record it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from autoscaling.routing import PoolLoad
+from deployments.config import AppConfig
+from deployments.messages import Delta, GenerateRequest, Resume
+from deployments.metrics import RouterMetrics
+from deployments.planning import Plan
+from deployments.regimes import POOLS, RouteState
+from deployments.separate_loop import ReplicaLost, SeparateLoop
+
+logger = logging.getLogger("ray.serve")
+
+# A replica (or actor) that died or cannot be reached: the request it served can move.
+MIGRATABLE = (RayActorError, ActorUnavailableError, ReplicaLost)
+HEALTH_PROBE_S = 1.0  # a down pool is asked this often whether it answers again
+
+
+class Pools:
+    def __init__(self, cfg: AppConfig, engines: dict[str, DeploymentHandle], separate: SeparateLoop | None,
+                 route_state: RouteState, metrics: RouterMetrics):
+        self._cfg = cfg
+        self.engines = engines  # "plain" / "colocated" -> EngineReplica handle
+        self.separate = separate
+        self._route_state = route_state
+        self._metrics = metrics
+        self.replicas = {"plain": cfg.plain.routing_replicas, "colocated": cfg.colocated.routing_replicas,
+                         "separate": cfg.target_deployment.num_replicas}
+        self.active = {p: 0 for p in POOLS}
+        self.engine_messages = 0  # deltas received from engine replicas (tests: coalescing)
+        self.migrations = 0
+        self.down: set[str] = set()  # pools that lost a replica and have not answered a probe since
+        self.lost = dict.fromkeys(POOLS, 0)  # times each pool was found down
+        self._probes: set[asyncio.Task] = set()
+
+    @property
+    def deployed(self) -> list[str]:
+        return [p for p in POOLS if p in self.engines or (p == "separate" and self.separate is not None)]
+
+    def loads(self) -> dict[str, PoolLoad]:
+        """Live loads of the pools that can take a request now: the requests this router runs in each."""
+        return {p: PoolLoad(self.active[p], 0, self.replicas[p], self._cfg.max_batch_size)
+                for p in self.deployed if p not in self.down}
+
+    def _lost(self, pool: str) -> None:
+        """A replica of ``pool`` died: price the pool unavailable until it answers a probe."""
+        if pool in self.down:
+            return
+        self.down.add(pool)
+        self.lost[pool] += 1
+        task = asyncio.get_running_loop().create_task(self._probe_until_up(pool), context=contextvars.Context())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe_until_up(self, pool: str) -> None:
+        while pool in self.down:
+            await asyncio.sleep(HEALTH_PROBE_S)
+            try:
+                if pool == "separate":
+                    await asyncio.wait_for(self.separate.ping(), HEALTH_PROBE_S)
+                else:
+                    await asyncio.wait_for(self.engines[pool].stats.remote(), HEALTH_PROBE_S)
+            except Exception:  # noqa: BLE001, S112 - still restarting
+                continue
+            self.down.discard(pool)
+            logger.info("pool %s answers again", pool)
+
+    async def generate(self, plan: Plan) -> AsyncIterator[Delta]:
+        """Deltas of one request on its pool; the pool's load counter covers its lifetime."""
+        d = plan.decision
+        self._count(plan.pool, +1)
+        self._metrics.routed(plan.pool, d.k, d.regime, plan.requested_mode, d.predicted_speedup)
+        t0, last = time.perf_counter(), None
+        t_first, n_first, n_out, per_token = None, 0, 0, 0.0
+        try:
+            gen = self._migrating(plan)
+            try:
+                async for delta in gen:
+                    last = delta
+                    n_out += len(delta.token_ids)
+                    if t_first is None and n_out:
+                        t_first, n_first = time.perf_counter(), n_out
+                    if delta.finished:
+                        per_token = _decode_time_per_token(t_first, n_first, n_out, delta)
+                        if per_token:
+                            plan.realised_speedup = self._route_state.realised_speedup(plan.batch, per_token)
+                    yield delta
+            finally:
+                await gen.aclose()
+        finally:
+            self._count(plan.pool, -1)  # where it finished: a migrated request moved
+            try:
+                self._report(plan, last, per_token, time.perf_counter() - t0)
+            except Exception:
+                logger.exception("metrics update failed")
+
+    def _count(self, pool: str, n: int) -> None:
+        self.active[pool] += n
+        self._metrics.set_running(pool, self.active[pool])
+
+    def _report(self, plan: Plan, last: Delta | None, per_token: float, latency_s: float) -> None:
+        """A request ended: the route state learns from its stats, the metrics record it."""
+        d = plan.decision
+        stats = last.stats if last is not None and last.finished else None
+        if stats is not None and per_token and not plan.migrations:  # a re-prefill is no step time
+            self._route_state.observe_timing(plan.pool, plan.batch, stats, per_token, plan.traffic_class)
+        if stats is not None and stats.proposed:
+            self._route_state.observe(plan.traffic_class, stats)
+            tr = self._route_state.tracker
+            self._metrics.acceptance(plan.traffic_class, tr.estimate(plan.traffic_class),
+                                     tr.position_rates(plan.traffic_class))
+        self._metrics.finished(plan.pool, d.k, d.topology, last.finish_reason if stats is not None else "abort",
+                               stats, latency_s, d.regime, plan.realised_speedup)
+
+    async def _migrating(self, plan: Plan) -> AsyncIterator[Delta]:
+        emitted: list[int] = []
+        sent_chars = 0
+        while True:
+            resume = Resume(emitted, sent_chars) if plan.migrations else None
+            gen = (self.separate.generate(plan.request_id, plan.prompt_ids, plan.params)
+                   if plan.pool == "separate" else self._run_engine(plan, resume))
+            try:
+                async for delta in gen:
+                    emitted += delta.token_ids
+                    sent_chars += len(delta.text)
+                    yield delta
+                return
+            except MIGRATABLE:
+                if plan.migrations >= self._cfg.migration_limit:
+                    raise
+                lost = plan.pool
+                self._lost(lost)
+                plan.pool = self._migration_pool(lost)
+                plan.migrations += 1
+                self.migrations += 1
+                self._count(lost, -1)
+                self._count(plan.pool, +1)
+                self._metrics.migrations.inc(tags={"pool": lost})
+                logger.warning("request %s: %s replica lost after %d tokens; continuing on %s", plan.request_id,
+                               lost, len(emitted), plan.pool, exc_info=True)
+            finally:
+                await gen.aclose()
+
+    def _migration_pool(self, lost: str) -> str:
+        """Where a request goes when the replica serving it died: the same engine pool if it has
+        other replicas, else another engine pool (the plain pool first: it needs no draft)."""
+        if lost != "separate" and self.replicas.get(lost, 1) > 1:
+            return lost
+        others = [p for p in ("plain", "colocated") if p in self.engines and p != lost]
+        up = [p for p in others if p not in self.down]
+        return (up or others or [lost])[0]
+
+    async def _run_engine(self, plan: Plan, resume: Resume | None) -> AsyncIterator[Delta]:
+        params = plan.params_for(plan.pool)
+        # An adaptive request carries the router's drift: the replica prices its steps with it (one view).
+        drift = self._route_state.drift if params.adaptive_k else None
+        req = GenerateRequest(plan.request_id, plan.prompt_ids, params,
+                              self._cfg.stream_interval_s if plan.stream else None, resume, drift)
+        responses = self.engines[plan.pool].options(stream=True).generate.remote(req)
+        finished = False
+        try:
+            async for d in responses:
+                self.engine_messages += 1
+                finished = d.finished
+                yield d
+        finally:
+            if not finished:
+                responses.cancel()  # the replica's generator exits: the engine aborts and frees slots
+
+
+def _decode_time_per_token(t_first: float | None, n_first: int, n_out: int, last: Delta) -> float:
+    """Seconds per output token after the first, by the router's clock where the tokens came in
+    several messages, else (one message: a non-streamed request) by the replica's."""
+    if t_first is not None and n_out > n_first:
+        return (time.perf_counter() - t_first) / (n_out - n_first)
+    s = last.stats
+    if s is not None and s.output_tokens > 1:
+        return (s.latency_s - s.first_token_s) / (s.output_tokens - 1)
+    return 0.0

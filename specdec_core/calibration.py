@@ -1,0 +1,192 @@
+"""Calibration: measure one target/draft pair's step costs on this hardware, through an engine's own steps.
+
+Vocabulary (``costmodel.py``'s): b is the batch, K the draft tokens a step proposes, q = K+1 the
+verify width. t_T(b, q) is a step's verify phase (target forward + sampling + bookkeeping), t_D(b)
+one draft token's share of its propose phase, and the draft's step cost the rest of that phase
+(``StepCosts.draft_step_s``: its first forward also feeds the last verify's tokens); a context
+slope is the extra seconds per cached token per row (``StepCosts.at_context``).
+
+``calibrate`` drives an idle engine through fixed-K steps on a synthetic prompt; ``cost_grid``
+(pure) assembles the timings into a ``StepCosts``, ``fit_draft_cost`` splits the propose phase
+into t_D and the step cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from specdec_core.costmodel import DEFAULT_BATCHES, DEFAULT_HOP_OVERHEAD_S, DEFAULT_QS, StepCosts
+from specdec_core.proposers import Proposal, ProposalRequest
+from specdec_core.request import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec_core.engine import Engine
+
+
+def calibrate(
+    engine: Engine, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 6,
+    temperature: float = 0.0, long_context_len: int | None = None,
+) -> StepCosts:
+    """Measure step costs on this hardware through the engine's own code paths (seconds).
+
+    For each batch b and verify width q = K+1, b requests decode with fixed K on a periodic
+    prompt (so every proposer proposes all K tokens): t_T(b, q) is the verify phase of a step,
+    t_D(b) the propose phase per draft token. The framework overhead is thereby inside the costs,
+    as it is inside real steps. With ``temperature`` > 0 the steps take the sampling path (draft
+    distributions, the rejection sampler), which costs more per step than greedy argmaxes. With
+    ``long_context_len`` the batch-1 steps are timed again at that context, which gives the
+    per-token context slopes. The engine must be idle.
+    """
+    if engine.has_work():
+        raise RuntimeError("calibrate needs an idle engine")
+    batches = [b for b in batches if b <= min(engine.max_batch_size, engine.target.num_free_slots)]
+    speculative = engine.proposer is not None and max(qs) > 1
+    draft_phase = {}  # batch -> [(K, seconds of the step's draft phase)]
+
+    def time_target(b: int, q: int) -> float:
+        verify, propose = _time_steps(engine, b, q - 1, context_len, steps, temperature)
+        if q > 1:
+            draft_phase.setdefault(b, []).append((q - 1, propose))
+        return verify
+
+    @functools.cache
+    def draft_fit(b: int) -> tuple[float, float]:  # (per token, per step): one fit per batch
+        return fit_draft_cost(draft_phase[b])
+
+    time_draft = (lambda b: draft_fit(b)[0]) if speculative else None
+    time_draft_step = (lambda b: draft_fit(b)[1]) if speculative else None
+    proposer = engine.proposer
+    if speculative and not proposer.proposes_full_k:
+        # A lookup finds no match in the synthetic prompt's continuation and would propose
+        # nothing, so the "K+1" verifies would be plain steps: time full-width verifies instead.
+        engine.proposer = _FullWidthProposer()
+    try:
+        costs = cost_grid(time_target, time_draft, batches=batches, qs=qs,  # target first: draft_phase filled
+                          time_draft_step=time_draft_step)
+        costs = dataclasses.replace(costs, context_len=context_len)
+        long_context_len = min(long_context_len or 0, engine.max_model_len - (steps + 3) * max(qs))
+        if long_context_len > context_len:
+            costs = _context_slopes(engine, costs, qs, long_context_len, steps, temperature)
+    finally:
+        engine.proposer = proposer
+    runner = getattr(proposer, "runner", None)
+    if speculative and runner is not None:
+        prefill_tokens = min(256, runner.max_len - 1)
+        per_token = runner.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
+        costs = dataclasses.replace(costs, draft_prefill_s_per_token=per_token)
+    return costs
+
+
+def _context_slopes(
+    engine: Engine, costs: StepCosts, qs, long_context_len: int, steps: int, temperature: float
+) -> StepCosts:
+    """``costs`` plus the per-token context slopes: the batch-1 steps timed again at ``long_context_len``."""
+    extra = long_context_len - costs.context_len
+    slopes, draft_slopes = [], []
+    for q in qs:
+        verify, propose = _time_steps(engine, 1, q - 1, long_context_len, steps, temperature)
+        slopes.append(max(0.0, verify - costs.target_time(1, q)) / extra)
+        if q > 1 and engine.proposer is not None:
+            per_token = (propose - costs.draft_step_time(1)) / (q - 1)
+            draft_slopes.append(max(0.0, per_token - costs.draft_time(1)) / extra)
+    return dataclasses.replace(
+        costs, context_slope_s=tuple(slopes),
+        draft_context_slope_s=statistics.median(draft_slopes) if draft_slopes else 0.0,
+    )
+
+
+def _time_steps(engine: Engine, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0
+                ) -> tuple[float, float]:
+    """Median (verify seconds, propose seconds) of ``steps`` decode steps at this batch and K."""
+    params = SamplingParams(max_new_tokens=(steps + 3) * (k + 1), temperature=temperature, seed=0,
+                            ignore_eos=True, num_speculative_tokens=k)
+    context_len = min(context_len, engine.max_model_len - params.max_new_tokens)
+    period = [(7 * i + 3) % engine.target.vocab_size for i in range(7)]
+    prompt = (period * (context_len // 7 + 1))[:context_len]
+    ids = [engine.add_request(prompt, params) for _ in range(batch)]
+    verify, propose = [], []
+    try:
+        engine.step()  # prefill
+        engine.step()  # the draft's catch-up on the prompt
+        for _ in range(steps):
+            engine.step()
+            verify.append(engine.last_step.verify_s)
+            propose.append(engine.last_step.propose_s)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+        engine.step()
+    return statistics.median(verify), statistics.median(propose)
+
+
+class _FullWidthProposer:
+    """Calibration stand-in for a proposer that may propose fewer than K tokens: exactly K copies
+    of the last token, at ~0 cost (like a lookup's). Verify cost does not depend on which tokens
+    are proposed."""
+
+    name = "calibration"
+    proposes_full_k = True
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        return [Proposal([r.token_ids[-1]] * r.k, None) for r in requests]
+
+    def release(self, seq_id: str) -> None:
+        return None
+
+    def num_sequences(self) -> int:
+        return 0
+
+
+def cost_grid(
+    time_target: Callable[[int, int], float],
+    time_draft: Callable[[int], float] | None,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    qs: Sequence[int] = DEFAULT_QS,
+    hop_overhead_s: Mapping[str, float] = DEFAULT_HOP_OVERHEAD_S,
+    time_draft_step: Callable[[int], float] | None = None,
+) -> StepCosts:
+    """Time every grid point with the given functions (e.g. `runner.time_step`,
+    median seconds per forward). time_draft None: a model-free proposer, ~0 s;
+    time_draft_step: a speculative step's draft cost beyond K forwards (``StepCosts.draft_step_s``).
+
+    Timing noise on a shared machine only ever adds time, and a forward with more
+    tokens or rows is never cheaper, so each measurement is capped by every
+    measurement at a larger shape (a suffix minimum along q and along batch): a
+    spike at one grid point would otherwise flip the best K (seen: t_T(1, 2) >
+    t_T(1, 5) made K=2 look worse than K=4)."""
+    target = [_suffix_min([float(time_target(b, q)) for q in qs]) for b in batches]
+    columns = [_suffix_min([row[j] for row in target]) for j in range(len(qs))]
+    return StepCosts(
+        batches=tuple(batches),
+        qs=tuple(qs),
+        target_s=tuple(tuple(col[i] for col in columns) for i in range(len(batches))),
+        draft_s=tuple(_suffix_min([float(time_draft(b)) if time_draft else 0.0 for b in batches])),
+        hop_overhead_s=dict(hop_overhead_s),
+        draft_step_s=tuple(float(time_draft_step(b)) for b in batches) if time_draft_step else (),
+    )
+
+
+def _suffix_min(values: list[float]) -> list[float]:
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+def fit_draft_cost(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per draft token, seconds per step) from (K, draft phase seconds) measurements:
+    least squares of propose(K) = per_step + K per_token, with per_step >= 0 (a fit below zero
+    is noise: then the line through the origin)."""
+    ks = [k for k, _ in points]
+    if len(set(ks)) > 1:
+        mean_k = sum(ks) / len(ks)
+        mean_t = sum(t for _, t in points) / len(points)
+        slope = sum((k - mean_k) * (t - mean_t) for k, t in points) / sum((k - mean_k) ** 2 for k in ks)
+        intercept = mean_t - slope * mean_k
+        if intercept >= 0 and slope > 0:
+            return slope, intercept
+    return sum(k * t for k, t in points) / sum(k * k for k in ks), 0.0

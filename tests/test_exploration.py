@@ -1,0 +1,101 @@
+"""Exploration under a fake clock: a traffic class that went plain for its acceptance keeps
+probing speculation at a bounded rate, and returns to speculation when its acceptance recovers."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoscaling.exploration import Exploration
+from autoscaling.routing import PROBE_K, PoolLoad
+from autoscaling.traffic_classes import DomainTable
+from deployments.regimes import RouteState
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.costmodel import StepCosts
+from specdec_core.stats import RequestStats
+
+CLS = TrafficClass("d", "greedy", "code")
+LOADS = {"plain": PoolLoad(), "colocated": PoolLoad()}
+
+
+def test_schedule_bounds_probes_to_a_share_and_an_interval():
+    ex = Exploration(share=0.1, min_interval_s=5.0)
+    due = [ex.probe_due(CLS, now=float(i)) for i in range(100)]  # one plain-routed request a second
+    assert sum(due) == 10 and not any(due[:9])
+    fast = Exploration(share=0.1, min_interval_s=5.0)
+    due = [fast.probe_due(CLS, now=i * 0.1) for i in range(100)]  # ten a second: the interval binds
+    assert sum(due) == 2
+    assert not any(Exploration(share=0.0).probe_due(CLS, float(i)) for i in range(100))
+    other = TrafficClass("d", "greedy", "prose")
+    ex.probe_due(other, 0.0)
+    ex.forget_domain("prose")
+    assert other not in ex._schedules and CLS in ex._schedules
+    with pytest.raises(ValueError):
+        Exploration(share=1.5)
+
+
+def _costs() -> StepCosts:
+    """Memory-bound synthetic costs: a verify of q tokens costs about one of 1; a draft of c = 0.3."""
+    batches, qs = (1, 2, 4, 8), (1, 2, 3, 5, 9)
+    return StepCosts(batches, qs, tuple(tuple(0.010 + 0.0002 * b * q for q in qs) for b in batches),
+                     tuple(0.003 for _ in batches), source="synthetic")
+
+
+def _state(now: list[float]) -> RouteState:
+    tracker = AcceptanceTracker(prior_mean=0.8, prior_weight=20, half_life_s=60.0, clock=lambda: now[0])
+    st = RouteState("d", tracker, k_max=8, default_k=4, context_limit=512, domains=DomainTable(promote_after=1),
+                    exploration=Exploration(share=0.05, min_interval_s=1.0), clock=lambda: now[0])
+    st.set_costs(_costs(), "test")
+    return st
+
+
+def _request(st: RouteState):
+    features = st.features(temperature=0.0, top_p=1.0, max_tokens=64, prompt_tokens=16, mode="auto", k=None,
+                           topology=None, objective="latency", cls=st.traffic_class(0.0, "code"))
+    return st.decide(features, LOADS)
+
+
+def _finished(k: int, steps: int, a: float) -> RequestStats:
+    """A request's stats: `steps` verify steps at K=k, each accepting round(a * k) tokens."""
+    stats = RequestStats()
+    for _ in range(steps):
+        stats.record_verify(k, round(a * k))
+    return stats
+
+
+def test_a_collapsed_class_returns_to_speculation_when_acceptance_recovers():
+    now = [0.0]
+    st = _state(now)
+    assert _request(st).pool == "colocated"  # prior 0.8: speculation pays
+    st.observe(CLS, _finished(4, 200, 0.0))  # the traffic turns: the draft is always wrong
+    routes = []
+    for _ in range(200):  # one request a second, the draft still wrong on every probe
+        now[0] += 1.0
+        r = _request(st)
+        routes.append(r)
+        if r.probe:
+            st.observe(CLS, _finished(r.decision.k, 30, 0.0))
+    plain = [r for r in routes if not r.probe]
+    probes = [r for r in routes if r.probe]
+    assert all(r.pool == "plain" and r.decision.regime == "domain_mismatch" for r in plain)
+    assert 5 <= len(probes) <= 12, len(probes)  # ~5% of the class's requests
+    assert all(r.pool == "colocated" and r.decision.k == PROBE_K and not r.adaptive for r in probes)
+    assert all("exploration probe" in r.decision.reason for r in probes)
+    for _ in range(400):  # the draft fits the traffic again: the probes show it
+        now[0] += 1.0
+        r = _request(st)
+        if r.probe:
+            st.observe(CLS, _finished(r.decision.k, 30, 1.0))
+        if not r.probe and r.pool == "colocated":
+            break
+    else:
+        pytest.fail("the class never returned to speculation")
+    assert r.decision.regime == "favorable" and r.adaptive
+
+
+def test_no_probe_where_a_good_draft_would_not_pay():
+    now = [0.0]
+    st = _state(now)
+    st.observe(CLS, _finished(4, 200, 0.0))
+    features = st.features(temperature=0.0, top_p=1.0, max_tokens=4, prompt_tokens=16, mode="auto", k=None,
+                           topology=None, objective="latency", cls=CLS)  # prefill heavy: 4 new tokens
+    assert not any(st.decide(features, LOADS).probe for _ in range(100))
