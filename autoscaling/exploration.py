@@ -7,7 +7,8 @@ class to the plain pool for good, while explicit speculation was 1.14x faster). 
 request of the class run speculatively with a fixed K, every draft token judged; at most
 ``share`` of the class's plain-routed requests are probes, and no two within ``min_interval_s``.
 Which requests may probe, and at what K, is the routing policy's (``routing.probe_route``: only
-where speculation would pay were acceptance high). A pure policy: the clock comes in as ``now``.
+where speculation would pay were acceptance high). The same schedule, keyed by batch bucket, runs
+the router's cost probes (``routing.cost_probe_route``). A pure policy: the clock comes in as ``now``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specdec_core.acceptance import TrafficClass
+from collections.abc import Hashable
 
 
 @dataclass
@@ -30,12 +31,12 @@ class Exploration:
             raise ValueError("need 0 <= share <= 1 and min_interval_s >= 0")
         self.share = share
         self.min_interval_s = min_interval_s
-        self._schedules: dict[TrafficClass, _Schedule] = {}
+        self._schedules: dict[Hashable, _Schedule] = {}
 
-    def probe_due(self, cls: TrafficClass, now: float) -> bool:
-        """One more request of ``cls`` would go plain for its acceptance: is it this class's probe?
-        (True starts the next period: the caller runs it as a probe.)"""
-        s = self._schedules.setdefault(cls, _Schedule())
+    def probe_due(self, key: Hashable, now: float) -> bool:
+        """One more request of ``key`` (a traffic class) could probe: is it the one? (True starts the
+        next period: the caller runs it as a probe.)"""
+        s = self._schedules.setdefault(key, _Schedule())
         s.plain_since_probe += 1
         if self.share <= 0 or s.plain_since_probe * self.share < 1 or now - s.last_probe_at < self.min_interval_s:
             return False
@@ -43,5 +44,5 @@ class Exploration:
         return True
 
     def forget_domain(self, domain: str) -> None:
-        for cls in [c for c in self._schedules if c.domain == domain]:
+        for cls in [c for c in self._schedules if getattr(c, "domain", None) == domain]:
             del self._schedules[cls]

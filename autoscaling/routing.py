@@ -20,7 +20,10 @@ Rules, in order:
    prefill heavy, else plain.
 
 A class that rule 3 keeps sending plain for its acceptance gets a few probe requests on speculation
-(``probe_route``, scheduled by ``autoscaling/exploration.py``) so that its estimate can recover.
+(``probe_route``, scheduled by ``autoscaling/exploration.py``) so that its estimate can recover; and
+while the served cost of plain steps at a batch is unmeasured, a share of the auto requests rule 3
+sends to speculation run plain instead (``cost_probe_route``), so that the served costs of both
+sides are learnt and a calibration that flatters speculation is found out.
 
 Every decision carries a regime label (`classify_regime`) that says why
 speculation does or does not pay for this request, in the vocabulary of
@@ -301,3 +304,16 @@ def probe_route(ctx: RoutingContext, plain: RoutingDecision) -> RoutingDecision 
     return RoutingDecision(opt.topology, opt.topology, PROBE_K, plain.regime, speedup,
                            f"exploration probe, K={PROBE_K}: the class goes plain for its acceptance "
                            f"(a={ctx.acceptance:.2f} on {ctx.evidence:.0f} judged tokens)")
+
+
+def cost_probe_route(ctx: RoutingContext, spec: RoutingDecision) -> RoutingDecision | None:
+    """A plain run of an auto request that ``route`` sent to speculation, while the served cost of
+    plain steps at its batch is unmeasured (the caller knows; it schedules these probes): without
+    it the router would compare measured speculative steps against a calibrated plain step."""
+    f = ctx.features
+    if spec.pool == PLAIN_POOL or f.mode != "auto" or f.k is not None or f.topology is not None \
+            or PLAIN_POOL not in ctx.loads:
+        return None
+    return RoutingDecision(PLAIN_POOL, None, 0, spec.regime, 1.0,
+                           f"cost probe: served plain steps at batch {ctx.loads[PLAIN_POOL].joined_batch()} "
+                           "not measured yet")

@@ -124,7 +124,9 @@ class AppConfig(BaseModel):
                                           "draft tokens) drifts back to the prior instead of freezing.")
     probe_share: float = Field(0.05, ge=0, le=1, description="Share of a traffic class's auto requests sent plain "
                                "for its acceptance that run as exploration probes (speculation, fixed K=2), so "
-                               "that the estimate can recover (autoscaling/exploration.py); 0: never.")
+                               "that the estimate can recover (autoscaling/exploration.py); while the served "
+                               "cost of plain steps at a batch is unmeasured, 4x this share of the auto requests "
+                               "sent to speculation run plain (cost probes); 0: never.")
     max_traffic_classes: int = Field(64, ge=0, description="OpenAI `user` values that keep acceptance statistics "
                                      "(and metric labels) of their own, the most recently active after "
                                      "`traffic_class_promote_after` requests; every other user shares one of "

@@ -27,6 +27,7 @@ from autoscaling.routing import (
     RoutingDecision,
     RoutingError,
     RoutingThresholds,
+    cost_probe_route,
     probe_route,
     route,
 )
@@ -52,6 +53,8 @@ PRIOR_COSTS = StepCosts(
 # OpenAI `service_tier` values that mean "bulk, latency does not matter": the throughput objective.
 THROUGHPUT_TIERS = ("flex", "batch", "scale")
 SERVED_DRIFT_BOUNDS = (0.5, 4.0)  # served / calibrated step time believed as drift (beyond: another machine's costs)
+SERVED_DRIFT_WEIGHT = 0.2  # per finished request
+SERVED_DRIFT_MIN_REQUESTS = 3  # finished requests on each side of a batch bucket before its drift applies
 # A representative temperature per bucket, for the /v1/regimes choice of a class.
 BUCKET_TEMPERATURE = {"greedy": 0.0, "low": 0.3, "mid": 0.8, "high": 1.5}
 
@@ -103,6 +106,8 @@ class RouteState:
         self.thresholds = thresholds or RoutingThresholds()
         self.domains = domains or DomainTable()
         self.exploration = exploration or Exploration()
+        # cost probes: 4x the acceptance probes' share, and only while a bucket's plain side is unmeasured
+        self.cost_probes = Exploration(share=min(1.0, 4 * self.exploration.share), min_interval_s=0.0)
         self.clock = clock
         self.set_costs(PRIOR_COSTS)
 
@@ -116,8 +121,11 @@ class RouteState:
         # step also pays the replica's loop and streaming: measured 1.4-2.2x an engine step here, so
         # the bounds on a believable drift are wider than inside an engine. The router owns this
         # drift; adaptive requests carry it to the replica, which prices with it too (one view).
+        # One observation is one finished request, whose time per token averages its dozens of steps:
+        # a few of them on each side are evidence enough, and each weighs more than an engine step.
         self.view = CostView(self.costs, with_hops(sampled_costs, self.separate_hop_s) if sampled_costs else None,
-                             StepDrift(bounds=SERVED_DRIFT_BOUNDS))
+                             StepDrift(weight=SERVED_DRIFT_WEIGHT, min_steps=SERVED_DRIFT_MIN_REQUESTS,
+                                       bounds=SERVED_DRIFT_BOUNDS))
 
     @property
     def drift(self) -> StepDrift:
@@ -168,6 +176,13 @@ class RouteState:
         probe = probe_route(ctx, d)
         if probe is not None and self.exploration.probe_due(features.traffic_class, self.clock()):
             return Route(probe, probe.pool, loads[probe.pool].joined_batch(), False, features.traffic_class, True)
+        probe = cost_probe_route(ctx, d)
+        if probe is not None:
+            bucket = self.drift.bucket(loads[PLAIN_POOL].joined_batch())
+            measured = self.drift.buckets.get(bucket)
+            if (measured is None or measured.plain_steps < self.drift.min_steps) \
+                    and self.cost_probes.probe_due(bucket, self.clock()):
+                return Route(probe, PLAIN_POOL, loads[PLAIN_POOL].joined_batch(), False, features.traffic_class, True)
         pool = d.pool
         if pool == PLAIN_POOL and PLAIN_POOL not in loads:
             pool = next((p for p in POOLS if p in loads), None)  # a spec pool decodes plain with K=0

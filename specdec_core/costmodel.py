@@ -196,7 +196,9 @@ class _Drift:
 @dataclass
 class StepDrift:
     """How far real steps run from the calibration, learnt online per batch-size bucket (powers of
-    two), separately for plain and speculative steps (moving average of measured / calibrated).
+    two), separately for plain and speculative steps (moving average of measured / calibrated; the
+    plain mean of the first ``1 / weight`` observations, so that it starts where they are and not
+    pulled towards 1).
 
     A calibration is a few seconds at one moment; on a shared machine plain steps were measured
     16% cheaper ten minutes later while speculative steps matched, which flipped decisions near
@@ -241,11 +243,11 @@ class StepDrift:
         if outlier:
             return
         if k == 0:
-            d.plain += self.weight * (ratio - d.plain)
             d.plain_steps += 1
+            d.plain += max(self.weight, 1.0 / d.plain_steps) * (ratio - d.plain)
         else:
-            d.spec += self.weight * (ratio - d.spec)
             d.spec_steps += 1
+            d.spec += max(self.weight, 1.0 / d.spec_steps) * (ratio - d.spec)
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,18 @@ def test_oracle_sweep_on_cpu_sets_acceptance(tmp_path):
         by_a.setdefault(row["acceptance_target"], []).append(row["acceptance"])
     assert max(by_a[0.0]) == 0.0
     assert min(by_a[1.0]) > 0.8
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_interleaved_orders_are_balanced(n):
+    """`serve --interleave` orders its modes so that every mode follows every other equally often
+    (a mode right after the separate topology inherits its leftover work) and auto (0) opens."""
+    from specdec_bench.load import williams_orders
+
+    rows = williams_orders(n)
+    assert rows[0][0] == 0 and all(sorted(r) == list(range(n)) for r in rows)
+    follows = {}
+    for r in rows:
+        for a, b in zip(r, r[1:]):
+            follows[a, b] = follows.get((a, b), 0) + 1
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1

@@ -99,3 +99,18 @@ def test_no_probe_where_a_good_draft_would_not_pay():
     features = st.features(temperature=0.0, top_p=1.0, max_tokens=4, prompt_tokens=16, mode="auto", k=None,
                            topology=None, objective="latency", cls=CLS)  # prefill heavy: 4 new tokens
     assert not any(st.decide(features, LOADS).probe for _ in range(100))
+
+
+def test_cost_probes_measure_plain_steps_then_stop():
+    """While served plain steps at a batch are unmeasured, every fifth auto request that would
+    speculate runs plain instead; once a few plain requests have taught the drift, none does."""
+    now = [0.0]
+    st = _state(now)
+    routes = [_request(st) for _ in range(20)]
+    probes = [r for r in routes if r.probe]
+    assert len(probes) == 4 and all(r.pool == "plain" and "cost probe" in r.decision.reason for r in probes)
+    assert all(r.pool == "colocated" for r in routes if not r.probe)
+    for _ in range(3):  # three finished plain requests at batch 1
+        st.observe_timing("plain", 1, RequestStats(plain_steps=9, prompt_tokens=16, output_tokens=8),
+                          st.cost_model().plain_time_per_token(1), CLS)
+    assert not any(_request(st).probe for _ in range(20))
