@@ -20,6 +20,7 @@ import torch
 from ray import serve
 
 from deployments.config import AppConfig
+from deployments.messages import Placement, SideStats
 from specdec_core import DraftModelProposer, ModelRunner, Proposal, ProposalRequest, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -144,18 +145,11 @@ class Draft:
         """Fault injection for tests and drills: the next ``n`` propose calls on this replica fail."""
         self._fail_next = int(n)
 
-    async def stats(self) -> dict:
+    async def stats(self) -> SideStats:
         runner = self.proposer.runner
-        return {
-            "deployment": "Draft",
-            "replica": serve.get_replica_context().replica_id.unique_id,
-            "sessions": self.proposer.num_sequences(),
-            "free_slots": runner.num_free_slots,
-            "total_slots": runner.num_slots,
-            "max_batch": self._max_batch,
-        }
+        return SideStats("Draft", serve.get_replica_context().replica_id.unique_id, self.proposer.num_sequences(),
+                         runner.num_free_slots, runner.num_slots, self._max_batch)
 
-    async def where(self, session_id: str) -> dict:
+    async def where(self, session_id: str) -> Placement:
         """Which replica this pinned call reached and whether it holds the session."""
-        return {"replica": serve.get_replica_context().replica_id.unique_id,
-                "holds": session_id in self.proposer.slots}
+        return Placement(serve.get_replica_context().replica_id.unique_id, session_id in self.proposer.slots)

@@ -18,7 +18,7 @@ from ray import serve
 
 from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, device_kind, load_calibration
 from deployments.config import AppConfig, model_label
-from deployments.messages import Delta, GenerateRequest
+from deployments.messages import Delta, EngineStats, GenerateRequest, ReplicaCosts
 from specdec_core import AsyncEngine, Engine
 from specdec_core.acceptance import AcceptanceTracker
 from specdec_core.calibration import calibrate
@@ -78,13 +78,11 @@ class EngineReplica:
                     self._costs_source, time.perf_counter() - t0, self._costs.target_time(1, 1) * 1e3,
                     self._costs.draft_time(1) * 1e3)
 
-    async def costs(self) -> dict | None:
-        """The replica's step costs (``StepCosts.to_dict()``: greedy, and sampled when calibrated) and
-        where they came from; None without."""
+    async def costs(self) -> ReplicaCosts | None:
+        """The replica's step costs (greedy, and sampled when calibrated) and their source; None without."""
         if self._costs is None:
             return None
-        return {"costs": self._costs.to_dict(), "source": self._costs_source,
-                "sampled_costs": self._sampled_costs.to_dict() if self._sampled_costs else None}
+        return ReplicaCosts(self._costs, self._sampled_costs, self._costs_source)
 
     def record_autoscaling_stats(self) -> dict:
         """Serve calls this on each replica; `active_sequences` is the autoscaling policy's `metric`."""
@@ -138,28 +136,19 @@ class EngineReplica:
             last.finish_reason if finished else "abort",
         )
 
-    async def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
         """Load and state: what the router and the tests read."""
         e = self.engine.engine
-        return {
-            "pool": self.pool,
-            "replica": serve.get_replica_context().replica_id.unique_id,
-            "running": e.num_running,
-            "waiting": e.num_waiting,
-            "free_slots": e.target.num_free_slots,
-            "total_slots": e.target.num_slots,
-            "sessions": len(e.verifier.slots) + (e.proposer.num_sequences() if e.proposer is not None else 0),
-            "target_sessions": len(e.verifier.slots),
-            "draft_sessions": e.proposer.num_sequences() if e.proposer is not None else 0,
-            "draft_free_slots": e.proposer.runner.num_free_slots if hasattr(e.proposer, "runner") else None,
-            "streams": len(self.engine._streams),
-            "served": self._served,
-            "adaptive": e.adaptive is not None,
-            # adaptive K's correction of the calibration, per batch bucket (log2): measured / calibrated step
-            "drift": {b: dataclasses.asdict(d) for b, d in e.adaptive.view.drift.buckets.items()} if e.adaptive else {},
-            "costs_source": self._costs_source,
-            "aborted": self._aborted,
-        }
+        draft_sessions = e.proposer.num_sequences() if e.proposer is not None else 0
+        return EngineStats(
+            pool=self.pool, replica=serve.get_replica_context().replica_id.unique_id, running=e.num_running,
+            waiting=e.num_waiting, free_slots=e.target.num_free_slots, total_slots=e.target.num_slots,
+            target_sessions=len(e.verifier.slots), draft_sessions=draft_sessions,
+            draft_free_slots=e.proposer.runner.num_free_slots if hasattr(e.proposer, "runner") else None,
+            streams=len(self.engine._streams), served=self._served, aborted=self._aborted,
+            adaptive=e.adaptive is not None, costs_source=self._costs_source,
+            drift={b: dataclasses.asdict(d) for b, d in e.adaptive.view.drift.buckets.items()} if e.adaptive else {},
+        )
 
     def check_health(self) -> None:
         if not self.engine._thread.is_alive():

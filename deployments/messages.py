@@ -2,17 +2,19 @@
 
 Router -> engine replica: ``GenerateRequest``; engine replica (or the separate loop) -> router:
 ``Delta``. The separate topology's calls carry the engine's own types: ``SamplingParams`` to both
-sides, ``Proposal`` from the Draft, ``VerifyResult`` from the Target (``specdec_core``). Each side
+sides, ``Proposal`` from the Draft, ``VerifyResult`` from the Target (``specdec_core``). A
+co-located replica's step costs come as ``ReplicaCosts``; every replica's load and state as its
+``...Stats`` (the router turns them into JSON only at the HTTP edge, ``GET /v1/stats``). Each side
 builds and reads these dataclasses, never a dict by string key, so a field added on one side is a
 field the other can see.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec_core import RequestOutput, RequestStats, SamplingParams
-from specdec_core.costmodel import StepDrift
+from specdec_core.costmodel import StepCosts, StepDrift
 
 
 @dataclass(frozen=True)
@@ -49,3 +51,58 @@ class Delta:
     def of(cls, out: RequestOutput) -> Delta:
         return cls(out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                    out.stats if out.finished else None)
+
+
+@dataclass(frozen=True)
+class ReplicaCosts:
+    """A co-located replica's calibrated step costs, and where they came from."""
+
+    costs: StepCosts  # the greedy path
+    sampled: StepCosts | None  # the sampling path (None: a calibration file's greedy costs price it too)
+    source: str  # "calibrated:<device>" or "file:<name>"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    pool: str
+    replica: str
+    running: int
+    waiting: int
+    free_slots: int
+    total_slots: int
+    target_sessions: int
+    draft_sessions: int
+    draft_free_slots: int | None
+    streams: int
+    served: int
+    aborted: int
+    adaptive: bool
+    costs_source: str | None
+    # adaptive K's drift (the router's, once a request brought it), per batch bucket (log2)
+    drift: dict = field(default_factory=dict)
+
+    @property
+    def sessions(self) -> int:
+        return self.target_sessions + self.draft_sessions
+
+
+@dataclass(frozen=True)
+class SideStats:
+    """A Draft or Target replica of the separate topology."""
+
+    deployment: str  # "Draft" | "Target"
+    replica: str
+    sessions: int
+    free_slots: int
+    total_slots: int
+    max_batch: int
+    sessions_opened: int = 0  # Target only
+    batches: int = 0  # Target only
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a session-pinned call landed (Draft/Target ``where``)."""
+
+    replica: str
+    holds: bool  # the replica holds the session's KV cache

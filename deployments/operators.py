@@ -1,9 +1,11 @@
 """Operator views of the deployments behind the router (tests and ``GET /v1/stats``): the
-``stats()`` of every replica, and where pinned sessions land."""
+``stats()`` of every replica (typed messages, ``deployments/messages.py``; JSON-ready dicts out of
+here, with ``sessions`` added for engine replicas), and where pinned sessions land."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from ray.serve.handle import DeploymentHandle
 
@@ -17,7 +19,7 @@ async def engine_pool_stats(handle: DeploymentHandle, n_replicas: int) -> list[d
     seen: dict[str, dict] = {}
     for _ in range(1 if n_replicas <= 1 else 4 * n_replicas):
         st = await handle.stats.remote()
-        seen.setdefault(st["replica"], st)
+        seen.setdefault(st.replica, {**dataclasses.asdict(st), "sessions": st.sessions})
         if len(seen) >= n_replicas:
             break
     return list(seen.values())
@@ -28,9 +30,10 @@ async def pinned_stats(handle: DeploymentHandle, n_replicas: int) -> list[dict]:
     replica, found by probing session ids (affinity decides placement)."""
     probes = [f"__stats-probe-{i}" for i in range(max(8, 8 * n_replicas))]
     placed = await pinned_gather(*(lambda s=s: handle.options(session_id=s).where.remote(s) for s in probes))
-    one_per_replica = {p["replica"]: s for s, p in zip(probes, placed)}
-    return await pinned_gather(*(lambda s=s: handle.options(session_id=s).stats.remote()
-                                 for s in one_per_replica.values()))
+    one_per_replica = {p.replica: s for s, p in zip(probes, placed)}
+    stats = await pinned_gather(*(lambda s=s: handle.options(session_id=s).stats.remote()
+                                  for s in one_per_replica.values()))
+    return [dataclasses.asdict(st) for st in stats]
 
 
 async def probe_sessions(handle: DeploymentHandle, session_ids: list[str], fresh_ids: bool = True,
@@ -42,4 +45,4 @@ async def probe_sessions(handle: DeploymentHandle, session_ids: list[str], fresh
         placement = await asyncio.wait_for(pinned_gather(*calls, fresh_ids=fresh_ids), timeout_s)
     except asyncio.TimeoutError:
         return {"timed_out": True}
-    return {"placement": placement}
+    return {"placement": [dataclasses.asdict(p) for p in placement]}

@@ -36,7 +36,6 @@ from deployments.pools import Pools
 from deployments.regimes import RouteState
 from deployments.separate_loop import SeparateLoop
 from specdec_core.acceptance import AcceptanceTracker
-from specdec_core.costmodel import StepCosts
 
 logger = logging.getLogger("ray.serve")
 
@@ -181,11 +180,9 @@ class Router:
         except Exception:
             logger.warning("step costs not available yet; routing on the prior cost table", exc_info=True)
             return
-        if got:
-            sampled = got.get("sampled_costs")
-            self.route_state.set_costs(StepCosts.from_dict(got["costs"]), got["source"],
-                                       StepCosts.from_dict(sampled) if sampled else None)
-            logger.info("routing on step costs %s", got["source"])
+        if got is not None:
+            self.route_state.set_costs(got.costs, got.source, got.sampled)
+            logger.info("routing on step costs %s", got.source)
 
     # ---- handle-only methods (tests, operators) ---------------------------------------------------------
 

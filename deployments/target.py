@@ -22,6 +22,7 @@ from ray import serve
 
 from deployments.config import AppConfig
 from deployments.draft import Tombstones, _Failed, session_generator
+from deployments.messages import Placement, SideStats
 from specdec_core import ModelRunner, Proposal, SamplingParams, Verifier, VerifyItem, VerifyResult
 
 logger = logging.getLogger("ray.serve")
@@ -144,20 +145,11 @@ class Target:
             )
         return held
 
-    async def stats(self) -> dict:
+    async def stats(self) -> SideStats:
         runner = self.verifier.runner
-        return {
-            "deployment": "Target",
-            "replica": serve.get_replica_context().replica_id.unique_id,
-            "sessions": len(self.verifier.slots),
-            "free_slots": runner.num_free_slots,
-            "total_slots": runner.num_slots,
-            "sessions_opened": self._opened,
-            "batches": self._batches,
-            "max_batch": self._max_batch,
-        }
+        return SideStats("Target", serve.get_replica_context().replica_id.unique_id, len(self.verifier.slots),
+                         runner.num_free_slots, runner.num_slots, self._max_batch, self._opened, self._batches)
 
-    async def where(self, session_id: str) -> dict:
+    async def where(self, session_id: str) -> Placement:
         """Which replica this pinned call reached and whether it holds the session."""
-        return {"replica": serve.get_replica_context().replica_id.unique_id,
-                "holds": session_id in self.verifier.slots}
+        return Placement(serve.get_replica_context().replica_id.unique_id, session_id in self.verifier.slots)

@@ -63,6 +63,11 @@ class CellResult:
     auto_ms_per_token: dict = field(default_factory=dict)
     auto_mean_k: float = 0.0
     mean_acceptance_length: float = 0.0
+    # What auto did, so that a miss explains itself: the share of its decode steps at each K (K=1
+    # after plain steps: probes), and its engine's drift at the cell's batch bucket at the end
+    # (measured / calibrated step time, plain and speculative: how far its pricing was corrected).
+    auto_k_share: dict = field(default_factory=dict)
+    auto_drift: dict = field(default_factory=dict)
 
 
 def build_cells(quick: bool, k: int) -> list[Cell]:
@@ -110,7 +115,7 @@ class EnginePool:
             else:
                 eng = Engine.from_pretrained(target, str(self.models_dir / draft), max_batch_size=self.max_batch,
                                              max_model_len=1024)
-            grid = dict(batches=(1, 8, 32, 64), qs=(1, 2, 3, 5, 9), long_context_len=512)
+            grid = {"batches": (1, 8, 32, 64), "qs": (1, 2, 3, 5, 9), "long_context_len": 512}
             eng.enable_adaptive(calibrate(eng, **grid), sampled_costs=calibrate(eng, **grid, temperature=1.0))
             self._engines[draft] = eng
         return self._engines[draft]
@@ -230,6 +235,8 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     med = {m: sum(tokens[m]) / sum(statistics.median(w) for w in walls[m]) for m in MODES}
     verify_steps = sum(o.stats.verify_steps for o in auto_outs)
     all_steps = verify_steps + sum(o.stats.plain_steps for o in auto_outs)
+    drift = engine.adaptive.view.drift
+    bucket = drift.buckets.get(drift.bucket(cell.batch))
     return CellResult(
         regime=cell.regime,
         draft=cell.draft,
@@ -252,11 +259,23 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
         spec_ms_per_token=Summary.of(ms_tok["spec"]).as_dict(),
         auto_ms_per_token=Summary.of(ms_tok["auto"]).as_dict(),
         auto_mean_k=sum(o.stats.proposed for o in auto_outs) / all_steps if all_steps else 0.0,
+        auto_k_share=_decode_k_share(auto_outs),
+        auto_drift=asdict(bucket) if bucket is not None else {},
         mean_acceptance_length=(
             sum(o.stats.accepted + o.stats.verify_steps for o in spec_outs)
             / max(1, sum(o.stats.verify_steps for o in spec_outs))
         ),
     )
+
+
+def _decode_k_share(outs) -> dict[int, float]:
+    """Share of the requests' decode steps at each K (their prefill passes left out)."""
+    steps: dict[int, int] = {}
+    for o in outs:
+        for k, n in enumerate(o.stats.proposal_lengths):
+            steps[k] = steps.get(k, 0) + n - (k == 0)  # the prefill's pass counts as a plain step
+    total = sum(steps.values())
+    return {k: n / total for k, n in sorted(steps.items()) if n} if total else {}
 
 
 def run_regimes(args) -> dict:

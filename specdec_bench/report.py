@@ -26,20 +26,32 @@ def regimes_markdown(data: dict) -> str:
         "",
         "tok/s = a mode's tokens over the sum of each prompt group's median wall time across reps. "
         "speedup = fixed-K speculative tok/s / plain tok/s; auto/best = auto tok/s / max(plain, spec); "
-        "predicted = cost model (calibrated step costs + measured acceptance).",
+        "predicted = cost model (calibrated step costs + measured acceptance). auto K share: auto's decode "
+        "steps at each K (K=1 after plain steps: probes); drift: its engine's measured / calibrated step time "
+        "at the cell's batch, plain / speculative (1 until both have 20 steps).",
         "",
         "| regime | draft | batch | T | K | plain tok/s | spec tok/s | auto tok/s | speedup | predicted | "
-        "auto/best | acceptance | cost ratio | mean acc. len | sweep |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "auto/best | acceptance | cost ratio | mean acc. len | auto K share | drift | sweep |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in data["cells"]:
         lines.append(
             f"| {c['regime']} | {c['draft']} | {c['batch']} | {c['temperature']} | {c['k']} | "
             f"{c['plain_tok_s']:.1f} | {c['spec_tok_s']:.1f} | {c['auto_tok_s']:.1f} | **{c['speedup']:.2f}** | "
             f"{c['predicted_speedup']:.2f} | {c['auto_vs_best']:.2f} | {c['acceptance']:.2f} | "
-            f"{c['cost_ratio']:.2f} | {c['mean_acceptance_length']:.2f} | {c.get('sweep') or ''} |"
+            f"{c['cost_ratio']:.2f} | {c['mean_acceptance_length']:.2f} | {_k_share(c)} | {_drift(c)} | "
+            f"{c.get('sweep') or ''} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _k_share(cell: dict) -> str:
+    return " ".join(f"{k}:{100 * v:.0f}%" for k, v in (cell.get("auto_k_share") or {}).items())
+
+
+def _drift(cell: dict) -> str:
+    d = cell.get("auto_drift") or {}
+    return f"{d['plain']:.2f}/{d['spec']:.2f} ({d['plain_steps']}/{d['spec_steps']})" if d else ""
 
 
 def plot_regimes(data: dict, out: Path) -> list[Path]:
