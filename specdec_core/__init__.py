@@ -10,13 +10,13 @@ from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.async_engine import AsyncEngine
 from specdec_core.costmodel import CostModel, StepCosts
-from specdec_core.engine import Engine, StepTiming
+from specdec_core.engine import Engine
 from specdec_core.loading import check_same_tokenizer
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest
 from specdec_core.request import RequestOutput, RequestState, SamplingParams
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import process_logits, rejection_sample, sample_categorical
-from specdec_core.stats import RequestStats
+from specdec_core.stats import RequestStats, StepTiming
 from specdec_core.verifier import Verifier, VerifyItem, VerifyResult
 
 __all__ = [

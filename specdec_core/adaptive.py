@@ -31,6 +31,14 @@ at most), speculating beyond the probe's K resets it to its base.
 | SPECULATING   | the same K             | SPECULATING | base                | ``hold``         |
 | SPECULATING   | another K >= 1         | SPECULATING | base                | ``speculate``    |
 | SPECULATING   | 0: collapse            | PLAIN       | doubled             | ``back_off``     |
+| any           | regret over budget     | STOPPED     | (K=0 to the end)    | ``stop``         |
+
+The regret guard (in the spirit of SmartSpec, Liu et al. 2024): whatever the costs priced, a
+request keeps the measured wall time of the steps it speculated in against what plain steps at
+the same batch would have taken for the tokens those steps emitted (the engine's own measured
+plain steps, not the calibration); once that loss passes ``REGRET_BUDGET`` of the request's time
+so far (and a few steps' worth, so one noisy step cannot trip it), the request decodes plain to
+its end. So a wrong calibration costs a request at most a few percent against plain.
 
 Leaving PLAIN at PROBE_K is a probe whether the probe was due or a re-pricing found K=1 just worth
 it: either way one step at K=1 tests whether acceptance is back. A plain request is re-priced every
@@ -47,17 +55,20 @@ from dataclasses import dataclass, replace
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k, expected_tokens_per_step
+from specdec_core.costmodel import PROBE_CEILING, CostModel, StepDrift, adaptive_k, expected_tokens_per_step
 
 REPRICE_EVERY = 4  # steps between re-pricings of a request at K=0
 PROBE_BUDGET = 0.05  # share of a request's remaining decode time a probe's draft catch-up may take
 PROBE_K = 1  # a probe's K: the cheapest step that judges a draft token
+REGRET_BUDGET = 0.03  # a request's speculation may cost at most this share of its plain-equivalent time
+REGRET_FLOOR_STEPS = 4  # ... and never trips on less than this many plain steps' worth of loss
 
 
 class Phase(enum.Enum):
     SPECULATING = "speculating"  # K >= 1 as priced; the probe wait is at its base
     PLAIN = "plain"  # K = 0: the draft idles; a probe is due after probe_every steps
     PROBING = "probing"  # K = PROBE_K after plain steps, until K climbs (acceptance is back) or falls to 0
+    STOPPED = "stopped"  # K = 0 to the end: the request's measured speculation lost over its budget
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,28 @@ def back_off(state: KState, max_wait: int) -> KState:
     return KState(Phase.PLAIN, 0, 0, min(2 * state.probe_every, max_wait))
 
 
+def stop(state: KState) -> KState:
+    return KState(Phase.STOPPED, 0, 0, state.probe_every)
+
+
+@dataclass
+class Regret:
+    """One request's regret guard: the measured time of its speculative steps minus what plain steps
+    would have taken for the tokens they emitted (``loss_s``), against the plain-equivalent time of
+    all its decode steps."""
+
+    loss_s: float = 0.0
+    plain_equivalent_s: float = 0.0
+
+    def charge(self, spec_step_s: float | None, emitted: int, plain_step_s: float) -> bool:
+        """One decode step (``spec_step_s`` None: it ran plain); True once over the budget."""
+        self.plain_equivalent_s += emitted * plain_step_s
+        if spec_step_s is None:
+            return False
+        self.loss_s += spec_step_s - emitted * plain_step_s
+        return self.loss_s > max(REGRET_BUDGET * self.plain_equivalent_s, REGRET_FLOOR_STEPS * plain_step_s)
+
+
 def next_state(state: KState, k: int, base_wait: int, max_wait: int) -> KState:
     """The transition a priced ``k`` makes from ``state`` (the module docstring's table)."""
     if state.phase is Phase.PLAIN:
@@ -138,6 +171,8 @@ class AdaptiveK:
     ):
         self.view = view
         self.learns_drift = True  # False once the view prices with another owner's drift (``adopt_drift``)
+        # This engine's own measured / calibrated step times, always learnt: the regret guard's reference.
+        self.measured = StepDrift(min_steps=1)
         self.tracker = tracker
         self.draft_name = draft_name
         self.topology = topology
@@ -175,6 +210,8 @@ class AdaptiveK:
         for a probe at ``PROBE_CEILING`` (could it pay if acceptance were back?) and within
         ``PROBE_BUDGET``.
         """
+        if state is not None and state.phase is Phase.STOPPED:
+            return hold(state)
         a = self.acceptance(cls, accepted, judged, class_estimate)
         model = self.cost_model_for(cls, context_len)
         if state is None and class_estimate is not None:
@@ -217,9 +254,16 @@ class AdaptiveK:
 
     def observe_step(self, cls: TrafficClass, context_len: int, batch: int, k: int, seconds: float) -> None:
         """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
+        calibrated = self.cost_model_for(cls, context_len).calibrated_step_time(batch, k, self.topology)
+        self.measured.observe(k, seconds, calibrated, batch)
         if self.learns_drift:
-            model = self.cost_model_for(cls, context_len)
-            self.view.drift.observe(k, seconds, model.calibrated_step_time(batch, k, self.topology), batch)
+            self.view.drift.observe(k, seconds, calibrated, batch)
+
+    def plain_step_time(self, cls: TrafficClass, context_len: int, batch: int) -> float:
+        """A plain step at this batch as this engine measures it (the calibration until it has)."""
+        calibrated = self.cost_model_for(cls, context_len).calibrated_step_time(batch, 0, self.topology)
+        seen = self.measured.buckets.get(self.measured.bucket(batch))
+        return calibrated * (seen.plain if seen is not None and seen.plain_steps else 1.0)
 
     def unless_batch_loses(self, ks: list[int], adaptive: list[bool], classes: list[TrafficClass],
                            evidence: list[tuple[int, int, float | None]], context_len: int) -> list[int]:

@@ -18,12 +18,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
-from specdec_core.adaptive import AdaptiveK, KState
+from specdec_core.adaptive import AdaptiveK, KState, Regret, stop
 from specdec_core.calibration import calibrate
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import StepCosts
@@ -31,20 +30,10 @@ from specdec_core.loading import load_models
 from specdec_core.proposers import Proposal, ProposalRequest, Proposer
 from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids
 from specdec_core.runner import ModelRunner
+from specdec_core.stats import StepTiming
 from specdec_core.verifier import Verifier, VerifyItem
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepTiming:
-    batch: int = 0  # running requests in the decode pass
-    speculative_rows: int = 0
-    prefill_rows: int = 0
-    propose_s: float = 0.0
-    verify_s: float = 0.0
-    prefill_s: float = 0.0
-    total_s: float = 0.0
 
 
 class _Request(RequestState):
@@ -57,6 +46,7 @@ class _Request(RequestState):
         self.k_state: KState | None = None  # adaptive K of this request
         self.traffic_class: TrafficClass | None = None  # its acceptance class, once adaptive K asks
         self.draft_seen = 0  # history length the draft has fed (its proposals count until rejected)
+        self.regret = Regret()  # adaptive K's guard: what its speculative steps cost against plain ones
 
     @property
     def draft_catch_up(self) -> int:
@@ -258,8 +248,11 @@ class Engine:
         proposals = self._propose(rows, ks)
         timing.propose_s = time.perf_counter() - t
         t = time.perf_counter()
+        before = [len(r.output_ids) for r in rows]
         self._verify_and_commit(rows, proposals)
         timing.verify_s = time.perf_counter() - t
+        if self.adaptive is not None:
+            self._account_regret(rows, proposals, before, timing.propose_s + timing.verify_s)
         timing.batch = batch
         timing.speculative_rows = sum(1 for p in proposals if p.token_ids)
         # Steps whose rows all proposed K tokens teach adaptive K how far real steps run from the
@@ -268,6 +261,16 @@ class Engine:
         if self.adaptive is not None and len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
             self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), batch,
                                        proposed.pop(), timing.propose_s + timing.verify_s)
+
+    def _account_regret(self, rows: list[_Request], proposals: list[Proposal], before: list[int],
+                        step_s: float) -> None:
+        """Charge each adaptive row's speculative step against plain steps at this batch for the
+        tokens it emitted; a row over its budget decodes plain to its end (``adaptive.stop``)."""
+        for req, prop, n0 in zip(rows, proposals, before):
+            if req.params.adaptive_k and req.k_state is not None:
+                plain_step = self.adaptive.plain_step_time(self._traffic_class(req), len(req.tokens), len(rows))
+                if req.regret.charge(step_s if prop.token_ids else None, len(req.output_ids) - n0, plain_step):
+                    req.k_state = stop(req.k_state)
 
     def _choose_k(self, req: _Request, batch: int) -> int:
         if req.draft_failed or self.proposer is None:
@@ -342,11 +345,10 @@ class Engine:
         if not aborts:
             return []
         outputs = []
-        for queue in (self._waiting,):
-            for req in [r for r in queue if r.request_id in aborts]:
-                queue.remove(req)
-                req.finish("abort")
-                outputs.append(req.output())
+        for req in [r for r in self._waiting if r.request_id in aborts]:
+            self._waiting.remove(req)
+            req.finish("abort")
+            outputs.append(req.output())
         for req in self._running:
             if req.request_id in aborts:
                 req.finish("abort")

@@ -1,4 +1,4 @@
-"""Per-request speculation statistics.
+"""Per-request speculation statistics, and the timing of one engine step.
 
 Definitions follow vLLM's spec-decode metrics: a *verify step* is one target pass over a
 request's K draft tokens; it emits the accepted tokens plus one recovered or bonus token, so
@@ -72,3 +72,16 @@ class RequestStats:
             "first_token_s": self.first_token_s,
             "latency_s": self.latency_s,
         }
+
+
+@dataclass
+class StepTiming:
+    """One engine step's phases (``Engine.last_step``)."""
+
+    batch: int = 0  # running requests in the decode pass
+    speculative_rows: int = 0
+    prefill_rows: int = 0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0

@@ -7,7 +7,7 @@ import pytest
 
 from specdec_core import AcceptanceTracker, AdaptiveK, Engine, NgramProposer, StepCosts, TrafficClass
 from specdec_core.cost_view import CostView
-from specdec_core.adaptive import PROBE_K, KState, Phase, next_class_state, next_state
+from specdec_core.adaptive import PROBE_K, KState, Phase, Regret, next_class_state, next_state, stop
 from specdec_core.calibration import calibrate
 
 # Synthetic costs shaped like docs/ARCHITECTURE.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
@@ -33,6 +33,41 @@ def test_auto_speculates_with_an_aligned_draft(tiny_models, plain_reference):
     outs = eng.generate(PROMPTS, max_new_tokens=40, mode="auto", num_speculative_tokens=8)
     assert [o.token_ids for o in outs] == plain_reference
     assert all(o.stats.mean_acceptance_length > 3 for o in outs)
+
+
+def test_regret_guard_stops_speculation_that_measures_slower_than_plain(tiny_models, plain_reference):
+    """A calibration that flatters speculation: the same shape as COSTS, ten thousand times too
+    fast, so every K prices as a win. The request's first speculative step, measured, costs far
+    more than the plain steps its tokens would have taken: the guard stops speculation for the rest
+    of the request (with realistic costs, test_auto_speculates_with_an_aligned_draft, it never trips)."""
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_model_len=256)
+    flattering = StepCosts(COSTS.batches, COSTS.qs, tuple(tuple(t * 1e-4 for t in row) for row in COSTS.target_s),
+                           tuple(t * 1e-4 for t in COSTS.draft_s))
+    eng.enable_adaptive(flattering)
+    outs = eng.generate(PROMPTS, max_new_tokens=40, mode="auto", num_speculative_tokens=8)
+    assert [o.token_ids for o in outs] == plain_reference
+    for o in outs:
+        assert 1 <= o.stats.verify_steps <= 2 and o.stats.plain_steps > 25, o.stats
+
+
+def test_regret_charges_speculative_steps_against_plain_ones():
+    r = Regret()
+    assert not r.charge(None, 1, 0.010)  # a plain step: time at par, no loss
+    assert not r.charge(0.030, 3, 0.010)  # 3 tokens for 3 plain steps' time: no loss
+    assert not r.charge(0.035, 3, 0.010)  # 5 ms lost: under the floor of 4 plain steps (40 ms)
+    assert r.loss_s == pytest.approx(0.005) and r.plain_equivalent_s == pytest.approx(0.070)
+    for _ in range(6):  # a step with one token at 2x: 10 ms lost each
+        tripped = r.charge(0.020, 1, 0.010)
+    assert tripped and r.loss_s == pytest.approx(0.065)
+    assert stop(KState(Phase.SPECULATING, 4)).phase is Phase.STOPPED
+
+
+def test_a_stopped_request_stays_plain():
+    policy, cls = collapsed_policy()
+    state = stop(KState(Phase.SPECULATING, 4))
+    for _ in range(5 * BASE):  # probes would have come due; acceptance (own evidence) is perfect
+        state = policy.choose(state, cls, accepted=1000, judged=1000, batch=1, k_max=8)
+        assert (state.phase, state.k) == (Phase.STOPPED, 0)
 
 
 def test_auto_drops_to_plain_when_acceptance_collapses(tiny_models, plain_reference):
