@@ -14,9 +14,8 @@ the router's cost probes (``routing.cost_probe_route``). A pure policy: the cloc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 
 @dataclass

@@ -122,18 +122,14 @@ def stop(state: KState) -> KState:
 class Regret:
     """One request's regret guard: the measured time of its speculative steps minus what plain steps
     would have taken for the tokens they emitted (``loss_s``), against the plain-equivalent time of
-    all its decode steps."""
+    all its tokens so far. Only speculative steps are charged: a plain row costs nothing to watch."""
 
     loss_s: float = 0.0
-    plain_equivalent_s: float = 0.0
 
-    def charge(self, spec_step_s: float | None, emitted: int, plain_step_s: float) -> bool:
-        """One decode step (``spec_step_s`` None: it ran plain); True once over the budget."""
-        self.plain_equivalent_s += emitted * plain_step_s
-        if spec_step_s is None:
-            return False
+    def charge(self, spec_step_s: float, emitted: int, plain_step_s: float, tokens_so_far: int) -> bool:
+        """One speculative step; True once the loss is over the budget."""
         self.loss_s += spec_step_s - emitted * plain_step_s
-        return self.loss_s > max(REGRET_BUDGET * self.plain_equivalent_s, REGRET_FLOOR_STEPS * plain_step_s)
+        return self.loss_s > plain_step_s * max(REGRET_BUDGET * tokens_so_far, REGRET_FLOOR_STEPS)
 
 
 def next_state(state: KState, k: int, base_wait: int, max_wait: int) -> KState:
@@ -212,12 +208,13 @@ class AdaptiveK:
         """
         if state is not None and state.phase is Phase.STOPPED:
             return hold(state)
-        a = self.acceptance(cls, accepted, judged, class_estimate)
-        model = self.cost_model_for(cls, context_len)
-        if state is None and class_estimate is not None:
-            # Routed here to speculate by a router that priced the start with this view: start speculating.
-            return start(model.best_k(batch, a, k_max, self.topology, allow_plain=False).k, self.probe_every)
-        if state is None:  # as if at K=0: speculation must beat plain by the margin to start
+        if state is None:
+            a = self.acceptance(cls, accepted, judged, class_estimate)
+            model = self.cost_model_for(cls, context_len)
+            if class_estimate is not None:
+                # Routed here to speculate by a router that priced the start with this view: start speculating.
+                return start(model.best_k(batch, a, k_max, self.topology, allow_plain=False).k, self.probe_every)
+            # As if at K=0: speculation must beat plain by the margin to start.
             k = adaptive_k(model, batch, a, k_max, 0, 0, self.topology, probe_every=self.probe_every,
                            probe_k=PROBE_K)
             pays = self._pays_for_catch_up(model, batch, a, k_max, remaining_tokens, catch_up_tokens)
@@ -227,7 +224,8 @@ class AdaptiveK:
         # row-steps of the class, backing off across requests), not once per request.
         own = state.phase is not Phase.PLAIN or judged > 0
         clock = state if own else self._class_clocks.get(cls, KState(Phase.PLAIN, 0, 0, self.probe_every))
-        k = self._price(state, clock, model, a, batch, k_max, remaining_tokens, catch_up_tokens)
+        k = self._price(state, clock, cls, (accepted, judged, class_estimate), batch, k_max, remaining_tokens,
+                        catch_up_tokens, context_len)
         if k > PROBE_K:
             self._class_clocks.pop(cls, None)  # speculation pays: class probes restart at the base wait
         if own:
@@ -237,8 +235,8 @@ class AdaptiveK:
             self._class_clocks[cls] = clock
         return state
 
-    def _price(self, state: KState, clock: KState, model: CostModel, a: float, batch: int, k_max: int,
-               remaining_tokens: int, catch_up_tokens: int) -> int:
+    def _price(self, state: KState, clock: KState, cls: TrafficClass, evidence: tuple[int, int, float | None],
+               batch: int, k_max: int, remaining_tokens: int, catch_up_tokens: int, context_len: int) -> int:
         """This step's K from the cost model. At K=0 a request gains no evidence of its own and its other
         inputs (class estimate, drift, context) move slowly, so a plain request is priced only every
         ``REPRICE_EVERY`` steps and when a probe is due; in between its K is 0 (pricing is ~25 us a
@@ -246,6 +244,8 @@ class AdaptiveK:
         plain = state.phase is Phase.PLAIN
         if plain and not probe_due(clock) and (state.steps_at_current + 1) % REPRICE_EVERY:
             return 0
+        a = self.acceptance(cls, *evidence)
+        model = self.cost_model_for(cls, context_len)
         k = adaptive_k(model, batch, a, k_max, state.k, clock.steps_at_current, self.topology,
                        probe_every=clock.probe_every, probe_k=PROBE_K)
         if not (plain and k > 0):

@@ -264,12 +264,12 @@ class Engine:
 
     def _account_regret(self, rows: list[_Request], proposals: list[Proposal], before: list[int],
                         step_s: float) -> None:
-        """Charge each adaptive row's speculative step against plain steps at this batch for the
-        tokens it emitted; a row over its budget decodes plain to its end (``adaptive.stop``)."""
+        """Charge each adaptive row that speculated against plain steps at this batch for the tokens
+        it emitted; a row over its budget decodes plain to its end (``adaptive.stop``)."""
         for req, prop, n0 in zip(rows, proposals, before):
-            if req.params.adaptive_k and req.k_state is not None:
+            if prop.token_ids and req.params.adaptive_k and req.k_state is not None:
                 plain_step = self.adaptive.plain_step_time(self._traffic_class(req), len(req.tokens), len(rows))
-                if req.regret.charge(step_s if prop.token_ids else None, len(req.output_ids) - n0, plain_step):
+                if req.regret.charge(step_s, len(req.output_ids) - n0, plain_step, len(req.output_ids)):
                     req.k_state = stop(req.k_state)
 
     def _choose_k(self, req: _Request, batch: int) -> int:

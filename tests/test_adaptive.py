@@ -52,13 +52,14 @@ def test_regret_guard_stops_speculation_that_measures_slower_than_plain(tiny_mod
 
 def test_regret_charges_speculative_steps_against_plain_ones():
     r = Regret()
-    assert not r.charge(None, 1, 0.010)  # a plain step: time at par, no loss
-    assert not r.charge(0.030, 3, 0.010)  # 3 tokens for 3 plain steps' time: no loss
-    assert not r.charge(0.035, 3, 0.010)  # 5 ms lost: under the floor of 4 plain steps (40 ms)
-    assert r.loss_s == pytest.approx(0.005) and r.plain_equivalent_s == pytest.approx(0.070)
-    for _ in range(6):  # a step with one token at 2x: 10 ms lost each
-        tripped = r.charge(0.020, 1, 0.010)
-    assert tripped and r.loss_s == pytest.approx(0.065)
+    assert not r.charge(0.030, 3, 0.010, 4)  # 3 tokens for 3 plain steps' time: no loss
+    assert not r.charge(0.035, 3, 0.010, 7)  # 5 ms lost: under the floor of 4 plain steps (40 ms)
+    assert r.loss_s == pytest.approx(0.005)
+    for n in range(8, 11):  # a step with one token at 2x: 10 ms lost each
+        assert not r.charge(0.020, 1, 0.010, n)
+    assert r.charge(0.020, 1, 0.010, 11) and r.loss_s == pytest.approx(0.045)  # over 40 ms
+    long = Regret()  # 2000 tokens in: the budget is 3% of 20 s, not the floor
+    assert not long.charge(0.5, 1, 0.010, 2000) and long.charge(0.2, 1, 0.010, 2001)
     assert stop(KState(Phase.SPECULATING, 4)).phase is Phase.STOPPED
 
 

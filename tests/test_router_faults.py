@@ -9,7 +9,6 @@ import threading
 
 import httpx
 import pytest
-
 from test_serve_app import APP, MAX_LEN, ROOT, _free_port, app_args, sse_events
 
 pytestmark = pytest.mark.timeout(600)
