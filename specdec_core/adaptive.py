@@ -51,7 +51,7 @@ batch gains (``batch_pays``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.cost_view import CostView
@@ -90,13 +90,14 @@ def start(k: int, base_wait: int) -> KState:
 
 def hold(state: KState) -> KState:
     """The same K one more step."""
-    return replace(state, steps_at_current=state.steps_at_current + 1)
+    # KState(...) rather than dataclasses.replace: this runs per row per step (replace was ~40% of it)
+    return KState(state.phase, state.k, state.steps_at_current + 1, state.probe_every)
 
 
 def decline_probe(state: KState) -> KState:
     """A due probe priced out (hopeless or unaffordable): wait another period rather than re-price
     it every step."""
-    return replace(state, steps_at_current=0)
+    return KState(state.phase, state.k, 0, state.probe_every)
 
 
 def probe(state: KState) -> KState:
