@@ -146,7 +146,7 @@ class Pools:
         sent_chars = 0
         while True:
             resume = Resume(emitted, sent_chars) if plan.migrations else None
-            gen = (self.separate.generate(plan.request_id, plan.prompt_ids, plan.params)
+            gen = (self.separate.generate(plan.request_id, plan.prompt_ids, plan.params, resume)
                    if plan.pool == "separate" else self._run_engine(plan, resume))
             try:
                 async for delta in gen:

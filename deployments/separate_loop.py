@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
-from deployments.messages import Delta
+from deployments.messages import Delta, Resume
 from deployments.metrics import RouterMetrics
 from specdec_core import SamplingParams, VerifyResult
-from specdec_core.request import RequestState
+from specdec_core.request import RequestState, resumed_seed
 
 logger = logging.getLogger("ray.serve")
 
@@ -67,11 +68,21 @@ class SeparateLoop:
         self.aborted = 0
         self.background: set[asyncio.Task] = set()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], p: SamplingParams) -> AsyncIterator[Delta]:
+    async def generate(self, request_id: str, prompt_ids: list[int], p: SamplingParams,
+                       resume: Resume | None = None) -> AsyncIterator[Delta]:
+        """One request's steps. A resumed request (migrated here after its Target died, in an app
+        without engine pools) takes a session id of its own, since the dead one's was released, and
+        a seed derived from (seed, tokens so far), as the engine's."""
         sid = request_id
+        if resume is not None:
+            sid = f"{request_id}~{len(resume.output_ids)}"
+            if p.seed is not None:
+                p = dataclasses.replace(p, seed=resumed_seed(p.seed, len(resume.output_ids)))
         draft = self._draft.options(session_id=sid)
         target = self._target.options(session_id=sid)
         req = SeparateRequest(request_id, prompt_ids, p, self._tokenizer, self._eos_ids)
+        if resume is not None:
+            req.resume(resume.output_ids, resume.sent_chars)
         t0 = time.perf_counter()
         draft_used = draft_failed = False
         first = True

@@ -41,6 +41,6 @@ class CostView:
         return self.model(cls.temperature_bucket == GREEDY_BUCKET, context_len)
 
     def adopt(self, drift: StepDrift) -> None:
-        """Price with another owner's drift from now on (a replica adopting the router's)."""
-        self.drift = drift
-        self._models = {}
+        """Price with another owner's drift from now on (a replica adopting the router's, with every
+        adaptive request): taken into the drift the cached models hold, so that the cache survives."""
+        self.drift.take(drift)

@@ -218,6 +218,11 @@ class StepDrift:
     bounds: tuple[float, float] = (0.5, 2.0)
     buckets: dict[int, _Drift] = field(default_factory=dict)
 
+    def take(self, other: StepDrift) -> None:
+        """Hold ``other``'s estimates from now on (what cost models holding this object price with)."""
+        self.weight, self.min_steps, self.bounds, self.buckets = other.weight, other.min_steps, other.bounds, \
+            other.buckets
+
     @staticmethod
     def bucket(batch: float) -> int:
         return max(0, math.ceil(math.log2(max(batch, 1.0))))

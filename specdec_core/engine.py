@@ -28,7 +28,7 @@ from specdec_core.cost_view import CostView
 from specdec_core.costmodel import StepCosts
 from specdec_core.loading import load_models
 from specdec_core.proposers import Proposal, ProposalRequest, Proposer
-from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids
+from specdec_core.request import RequestOutput, RequestState, SamplingParams, eos_token_ids, resumed_seed
 from specdec_core.runner import ModelRunner
 from specdec_core.stats import StepTiming
 from specdec_core.verifier import Verifier, VerifyItem
@@ -146,9 +146,7 @@ class Engine:
         if params.temperature > 0:
             generator = torch.Generator()
             if params.seed is not None:
-                # A resumed request draws from a stream of its own, derived from (seed, tokens so far):
-                # reusing the seed's stream would replay the uniforms that produced its output so far.
-                generator.manual_seed(params.seed if resume is None else hash((params.seed, len(resume[0]))) % 2**63)
+                generator.manual_seed(params.seed if resume is None else resumed_seed(params.seed, len(resume[0])))
             else:
                 generator.seed()
         req = _Request(

@@ -82,6 +82,13 @@ class RequestOutput:
                                    new_text=self.new_text + later.new_text)
 
 
+def resumed_seed(seed: int, emitted: int) -> int:
+    """The seed of a request resumed after ``emitted`` tokens (request migration): a stream of its own,
+    derived from (seed, tokens so far); reusing the seed's stream would replay the uniforms that
+    produced its output so far."""
+    return hash((seed, emitted)) % 2**63
+
+
 def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
     """EOS ids from the tokenizer and the model's generation config (either may list several)."""
     ids = set()

@@ -82,7 +82,7 @@ def test_the_replica_prices_with_the_routers_drift():
     assert replica.view.drift.buckets  # on its own it learns from its steps
     replica.adopt_drift(st.drift)
     replica.observe_step(cls, 64, 1, 4, 1.0)
-    assert replica.view.drift is st.drift and not st.drift.buckets
+    assert replica.view.drift.buckets is st.drift.buckets and not st.drift.buckets
     calibrated = st.cost_model().plain_time_per_token(1)
     spec = RequestStats(prompt_tokens=16, output_tokens=8)
     for _ in range(3):
