@@ -98,8 +98,9 @@ def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
     assert chunks[-1]["speculation"]["migrations"] == 1
     # The pool lost its only replica: priced unavailable until it answers a health probe again, so
     # nothing waits for its restart. Plain decoding runs in the co-located pool meanwhile (K=0);
-    # speculation asked for in that pool itself gets a clean 503 with Retry-After. (A tiny model's
-    # replica can be back within a second or two: the follow-up runs only while the pool is down.)
+    # speculation asked for in that pool itself gets a clean 503 with Retry-After. A tiny model's
+    # replica can be back within a second or two, even between the check and the request: then the
+    # pool serves it itself.
     assert after["pools_lost"].get(path, 0) == before["pools_lost"].get(path, 0) + 1, after
     if path in router_stats(server)["down"]:
         with httpx.Client(base_url=server["url"], timeout=300) as client:
@@ -107,7 +108,9 @@ def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
         if path == "plain":
             assert r.status_code == 200, r.text
             spec = r.json()["speculation"]
-            assert (spec["pool"], spec["num_speculative_tokens"]) == ("colocated", 0), spec
+            assert (spec["pool"], spec["num_speculative_tokens"]) in (("colocated", 0), ("plain", 0)), spec
+        elif r.status_code == 200:  # back up meanwhile
+            assert r.json()["speculation"]["pool"] == path
         else:
             assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
             assert r.json()["error"]["code"] == "unavailable"
