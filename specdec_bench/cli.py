@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
                                          "published measurements (--published)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--context", type=int, default=512, help="KV context length (cached tokens per row)")
-    p.add_argument("--published", action="store_true", help="predicted vs SpecDecode-Bench's published points")
+    p.add_argument("--published", action="store_true",
+                   help="predicted vs published points (SpecDecode-Bench; a vLLM V1 serving sweep)")
     p.add_argument("--target-config", help="HF config.json of the target: one configuration instead of the map")
     p.add_argument("--draft-config", help="HF config.json of the draft")
     p.add_argument("--device", choices=["a100", "h100", "h200"], default="h100")
@@ -144,8 +145,8 @@ def _predict(args) -> None:
         data = predict.predict_one(args)
         print(json.dumps(data) if args.json else predict.one_markdown(data))
     elif args.published:
-        data = predict.compare_published()
-        _emit(args, "predict_published", data, predict.published_markdown(data))
+        data = predict.run_published()
+        _emit(args, "predict_published", data, predict.run_published_markdown(data))
     else:
         from specdec_bench.report import plot_predict
 

@@ -5,8 +5,11 @@ have (`specdec_core.roofline`).
   drafting share of a speculative step;
 - the regime map: best-K and fixed-K speedup over (batch x acceptance) and the drafting share, per
   device and pair;
-- `--published`: the model against SpecDecode-Bench's published draft-model measurements
-  (reference/specdecode_bench.json), the acceptance of each curve implied by its batch-1 point.
+- `--published`: the model against published draft-model measurements, two sources:
+  SpecDecode-Bench (reference/specdecode_bench.json, what the engine costs were fitted to), the
+  acceptance of each curve implied by its batch-1 point; and a vLLM V1 serving sweep (Ruiz 2026,
+  reference/ruiz_vllm_v1_draft_model.json), predicted unchanged from each run's published acceptance
+  length, nothing fitted.
 
 Vocabulary: a is the per-token acceptance rate, tau = E_K(a) the mean tokens a target pass emits
 (accepted drafts plus the recovered or bonus token).
@@ -24,6 +27,7 @@ from specdec_core.roofline import (
     H100,
     H200,
     VLLM,
+    DeviceSpec,
     ModelShape,
     forward_time,
     prefill_time,
@@ -33,6 +37,9 @@ from specdec_core.roofline import (
 REFERENCE = Path(__file__).parent / "reference"
 CONFIGS = REFERENCE / "configs"
 PUBLISHED = REFERENCE / "specdecode_bench.json"
+PUBLISHED_SERVING = REFERENCE / "ruiz_vllm_v1_draft_model.json"
+SERVING_COLUMNS = ("concurrency", "requests", "input_tokens", "output_tokens", "plain_tok_s", "spec_tok_s",
+                   "acceptance_length")
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ACCEPTANCES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -167,8 +174,10 @@ def predict_markdown(data: dict) -> str:
 
 @dataclass(frozen=True)
 class PublishedRun:
-    """One SpecDecode-Bench run: a batch of identical prompts through prefill and `output_len`
-    decode steps (plain) or output_len / tau speculative steps, the draft's prefill included."""
+    """One published draft-model workload: rows that each prefill `prompt_len` tokens, then decode
+    `output_len` tokens in as many plain steps or output_len / tau speculative steps, the draft's
+    prefill included. SpecDecode-Bench runs one batch of identical prompts (`times`); a serving
+    benchmark keeps a number of requests in flight (`serving_speedup`)."""
 
     target: ModelShape
     draft: ModelShape
@@ -176,6 +185,7 @@ class PublishedRun:
     k: int
     prompt_len: int
     output_len: int
+    device: DeviceSpec = H100
 
     @property
     def context_len(self) -> int:
@@ -184,10 +194,10 @@ class PublishedRun:
 
     def times(self, batch: int, tau: float) -> tuple[float, float, float]:
         """(plain run, speculative run, drafting within it), seconds."""
-        costs = roofline_costs(self.target, self.draft, H100, batches=(batch,), qs=(1, self.k + 1),
+        costs = roofline_costs(self.target, self.draft, self.device, batches=(batch,), qs=(1, self.k + 1),
                                context_len=self.context_len, tp=self.tp)
         model = CostModel(costs)
-        prefill_target, prefill_draft = (prefill_time(m, H100, batch, self.prompt_len, self.tp)
+        prefill_target, prefill_draft = (prefill_time(m, self.device, batch, self.prompt_len, self.tp)
                                          for m in (self.target, self.draft))
         steps = self.output_len / tau
         plain = prefill_target + self.output_len * model.plain_time_per_token(batch)
@@ -205,11 +215,20 @@ class PublishedRun:
         plain, spec, _ = self.times(batch, tau)
         return plain / spec
 
+    def serving_speedup(self, requests: int, concurrency: int, tau: float) -> float:
+        """`requests` through a server that keeps `concurrency` of them in flight (`vllm bench serve
+        --max-concurrency`), as successive waves of `concurrency` rows, the last one partial: the
+        requests are alike in length, so they start and finish nearly together."""
+        full, rest = divmod(requests, concurrency)
+        waves = [concurrency] * full + [rest] * (rest > 0)
+        times = [self.times(rows, tau) for rows in waves]
+        return sum(t[0] for t in times) / sum(t[1] for t in times)
+
     def forward_ratio(self) -> float:
         """One draft pass (the proposer's per-pass work included) over the verify forward it feeds,
         batch 1."""
-        draft = forward_time(self.draft, H100, 1, 1, self.context_len, self.tp) + VLLM.draft_pass_s
-        return draft / forward_time(self.target, H100, self.k + 1, 1, self.context_len, self.tp)
+        draft = forward_time(self.draft, self.device, 1, 1, self.context_len, self.tp) + VLLM.draft_pass_s
+        return draft / forward_time(self.target, self.device, self.k + 1, 1, self.context_len, self.tp)
 
 
 def compare_published(path: Path = PUBLISHED) -> dict:
@@ -241,7 +260,11 @@ def _speedup_rows(run: PublishedRun, batches: list[int], published: list[float],
     """One curve: tau from its batch-1 point, then every batch predicted with it."""
     tau = run.implied_tau(published[0])
     return [{**label, "batch": b, "tau": tau, "published": p, "predicted": run.speedup(b, tau),
-             "error_pct": 100 * (run.speedup(b, tau) / p - 1)} for b, p in zip(batches, published)]
+             "error_pct": _error_pct(run.speedup(b, tau), p)} for b, p in zip(batches, published)]
+
+
+def _error_pct(predicted: float, published: float) -> float:
+    return 100 * (predicted / published - 1)
 
 
 def published_markdown(data: dict) -> str:
@@ -258,3 +281,57 @@ def published_markdown(data: dict) -> str:
     lines += ["", "Draft pass / verify forward at batch 1:", "", "| pair | published | predicted |", "|---|---|---|"]
     lines += [f"| {r['pair']} | {r['published']:.3f} | {r['predicted']:.3f} |" for r in data["forward_ratios"]]
     return "\n".join(lines) + "\n"
+
+
+def compare_serving(path: Path = PUBLISHED_SERVING) -> dict:
+    """A published `vllm bench serve` sweep beside its predictions. Speedup is output throughput with
+    over without speculation at the same concurrency; tau is each run's published acceptance length,
+    so nothing is fitted. A point is kv_limited where `concurrency` whole requests overflow the smaller
+    of the two servers' KV caches: requests then wait and the batch is below the concurrency, which
+    the model does not know; the largest error leaves those points out."""
+    pub = json.loads(path.read_text())
+    device = DEVICES[pub["setup"]["device"]]
+    rows = [row for series in pub["series"]
+            for row in _serving_rows(pub["pairs"][series["pair"]], series, device)]
+    return {"source": pub["source"], "rows": rows,
+            "max_abs_error_pct": max(abs(r["error_pct"]) for r in rows if not r["kv_limited"])}
+
+
+def _serving_rows(pair: dict, series: dict, device: DeviceSpec) -> list[dict]:
+    """One series: a pair, a dataset and K over concurrencies, each point with its own mean lengths."""
+    target, draft = load_shape(pair["target"]), load_shape(pair["draft"])
+    kv_tokens = min(pair["kv_cache_tokens"].values())
+    rows = []
+    for c, n, prompt, output, plain, spec, tau in zip(*(series[col] for col in SERVING_COLUMNS)):
+        run = PublishedRun(target, draft, pair["tp"], series["k"], round(prompt / n), round(output / n),
+                           device)
+        predicted, published = run.serving_speedup(n, c, tau), spec / plain
+        rows.append({"pair": pair["label"], "dataset": series["dataset"], "k": series["k"], "concurrency": c,
+                     "tau": tau, "published": published, "predicted": predicted,
+                     "error_pct": _error_pct(predicted, published),
+                     "kv_limited": c * (prompt + output) / n > kv_tokens})
+    return rows
+
+
+def serving_markdown(data: dict) -> str:
+    lines = ["# Roofline model, unchanged, vs a vLLM V1 serving sweep (draft model, H100)", "",
+             data["source"], "",
+             ("Speedup: output throughput with / without speculation at the same concurrency; tau: the "
+              "run's published acceptance length (nothing fitted). * the concurrency's requests overflow "
+              "the KV cache (requests wait, the batch is smaller): outside the model."), "",
+             "| pair | dataset | K | concurrency | tau | published | predicted | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['pair']} | {r['dataset']} | {r['k']} | {r['concurrency']}{'*' * r['kv_limited']} | "
+              f"{r['tau']:.2f} | {r['published']:.2f} | {r['predicted']:.2f} | {r['error_pct']:+.1f}% |"
+              for r in data["rows"]]
+    lines += ["", f"Largest error where the requests fit the KV cache: {data['max_abs_error_pct']:.1f}%"]
+    return "\n".join(lines) + "\n"
+
+
+def run_published() -> dict:
+    """`--published`: both sources against the same model."""
+    return {"specdecode_bench": compare_published(), "serving_sweep": compare_serving()}
+
+
+def run_published_markdown(data: dict) -> str:
+    return published_markdown(data["specdecode_bench"]) + "\n" + serving_markdown(data["serving_sweep"])
