@@ -21,6 +21,7 @@ from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_pr
 from specdec_core import Engine, SamplingParams
 from specdec_core.calibration import calibrate
 from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.stats import StepTiming
 
 MODES = ("plain", "spec", "auto")
 
@@ -68,6 +69,7 @@ class CellResult:
     # (measured / calibrated step time, plain and speculative: how far its pricing was corrected).
     auto_k_share: dict = field(default_factory=dict)
     auto_drift: dict = field(default_factory=dict)
+    auto_vs_best_per_rep: list = field(default_factory=list)  # auto_vs_best is their median
 
 
 def build_cells(quick: bool, k: int) -> list[Cell]:
@@ -134,12 +136,14 @@ def _params(cell: Cell, mode: str, seed: int) -> SamplingParams:
     )
 
 
-def run_group(engine: Engine, cell: Cell, group: list[list[int]], mode: str, seed_base: int) -> tuple[float, list]:
-    """Generate one batch of prompts in one mode; return (wall seconds, outputs)."""
+def run_group(engine: Engine, cell: Cell, group: list[list[int]], mode: str, seed_base: int
+              ) -> tuple[float, list, list[StepTiming]]:
+    """Generate one batch of prompts in one mode; return (wall seconds, outputs, the engine's steps)."""
     params = [_params(cell, mode, seed=seed_base + i) for i in range(len(group))]
+    trace: list[StepTiming] = []
     t0 = time.perf_counter()
-    outs = engine.generate(group, params=params)
-    return time.perf_counter() - t0, outs
+    outs = engine.generate(group, params=params, trace=trace)
+    return time.perf_counter() - t0, outs, trace
 
 
 @dataclass
@@ -153,44 +157,43 @@ class Calibration:
 
 def calibrate_cell(engine: Engine, cell: Cell, prompt_len: int) -> Calibration:
     context_len = prompt_len + cell.max_new_tokens // 2
+    # At the cell's batch only: a batch's tail steps (fewer rows) are priced at its cost, a few percent
+    # pessimistic. Calibrating half the batch too taught the engine's drift at that batch, and auto then
+    # probed in those tail steps (8-11% of its steps at batch 4, 5-8% slower than plain).
     costs = calibrate(engine, batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})),
                       context_len=context_len, temperature=cell.temperature)
     return Calibration(costs, engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2))
 
 
-def predict(cell: Cell, spec_outs: list, prompt_len: int, calibrations: list[Calibration]) -> tuple[float, float]:
-    """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole requests: the
+def predict(cell: Cell, spec_traces: list[list[StepTiming]], prompt_len: int, calibrations: list[Calibration]
+            ) -> tuple[float, float]:
+    """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole batches: the
     median over calibrations taken before, during and after the cell's runs (this machine's speed
     drifts by up to a quarter within a minute, and one snapshot put a cell 21% off).
 
     Decode costs are calibrated through the engine's own step phases at the cell's batch, context
     and temperature (on a synthetic prompt; sampling costs more per step than greedy). The traffic
-    enters through what the speculative runs measured: how many decode steps proposed k tokens,
-    n_k (k = 0: a plain step; the n-gram proposer, or the end of a request, proposes fewer than
-    K), and the tokens those steps emitted, N:
-        t_spec = sum_k n_k (t_D0 + k t_D + t_T(k+1)) / N
-    (t_D0: the draft's per-step cost, k > 0 only). Pricing every step at the mean proposal length
-    overestimated the n-gram cell by 20% (step cost is not linear in k), and E_K(a) of the
-    per-token acceptance overestimated tokens per step by 4-10%: acceptance is not independent
-    from position to position.
-    A request also pays the target's prefill, and with speculation the draft's prefill, which
-    short outputs cannot amortise (prefill-heavy).
+    enters through the decode steps the speculative runs took: each step s of a batch is priced at
+    its rows b_s and its widest proposal k_s (a ragged batch verifies every row k_s + 1 wide),
+        t_spec = sum_s (t_D0 + k_s t_D + t_T(b_s, k_s + 1))   (t_D0, t_D: k_s > 0 only),
+    per batch run. A batch runs until its slowest row is done: rows that accepted less need more
+    steps, and the rows that finished early leave a smaller batch behind. Pricing the mean tokens
+    per step instead (what a continuously refilled batch gets) put batches 4-32 16-19% optimistic.
+    Per step, because step cost is not linear in k (the mean proposal length overestimated the
+    n-gram cell by 20%) and E_K(a) of the per-token acceptance overestimated tokens per step by
+    4-10%: acceptance is not independent from position to position. A batch also pays the
+    target's prefill, and with speculation the draft's prefill, which short outputs cannot
+    amortise (prefill-heavy). Plain batches have no ragged tail: every row takes max_new - 1 steps.
     """
-    steps_by_k = {}
-    for o in spec_outs:
-        for k, n in enumerate(o.stats.proposal_lengths):
-            steps_by_k[k] = steps_by_k.get(k, 0) + n
-    tokens = sum(len(o.token_ids) for o in spec_outs)  # emitted by those steps (the prefill's step included)
     decode = cell.max_new_tokens - 1  # the first token comes from the target's prefill
+    steps = [s for trace in spec_traces for s in trace if not s.prefill_rows]
     speedups, ratios = [], []
     for cal in calibrations:
         model = CostModel(cal.costs)
-        t_plain = model.plain_time_per_token(cell.batch)
-        step_time = sum(n * model.spec_step_time(cell.batch, k) for k, n in steps_by_k.items())
-        t_spec = step_time / tokens if tokens else t_plain
+        t_decode = sum(model.spec_step_time(s.batch, s.k, draft_rows=s.speculative_rows or None) for s in steps)
         draft_prefill = cal.costs.draft_prefill_s_per_token * prompt_len * cell.batch
-        plain = cal.target_prefill_s + decode * t_plain
-        spec = cal.target_prefill_s + draft_prefill + decode * t_spec
+        plain = cal.target_prefill_s + decode * model.plain_time_per_token(cell.batch)
+        spec = cal.target_prefill_s + draft_prefill + t_decode / len(spec_traces)
         speedups.append(plain / spec)
         ratios.append(model.cost_ratio(cell.batch))
     return statistics.median(speedups), statistics.median(ratios)
@@ -210,6 +213,7 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     groups = [prompts[start : start + cell.batch] for start in range(0, len(prompts), cell.batch)]
     walls = {m: [[] for _ in groups] for m in MODES}  # [mode][group] -> seconds per rep
     tokens = {m: [0] * len(groups) for m in MODES}  # equal in every rep: ignore_eos
+    spec_traces: list[list[StepTiming]] = []  # every speculative batch run's engine steps
     calibrations = [calibrate_cell(engine, cell, prompt_len)]  # before, half-way and after the reps
     for rep in range(reps):
         if rep == reps // 2 and rep > 0:
@@ -219,7 +223,9 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
         for g, group in enumerate(groups):
             shift = (rep + g) % len(MODES)
             for mode in MODES[shift:] + MODES[:shift]:
-                seconds, outs = run_group(engine, cell, group, mode, seed_base=1000 + g * cell.batch)
+                seconds, outs, trace = run_group(engine, cell, group, mode, seed_base=1000 + g * cell.batch)
+                if mode == "spec":
+                    spec_traces.append(trace)
                 walls[mode][g].append(seconds)
                 tokens[mode][g] = sum(len(o.token_ids) for o in outs)
                 outs_by_mode[mode] += outs
@@ -230,9 +236,15 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     spec_outs, auto_outs = outs_by_mode["spec"], outs_by_mode["auto"]
     acceptance = judged_acceptance(spec_outs)
     calibrations.append(calibrate_cell(engine, cell, prompt_len))
-    predicted, ratio = predict(cell, spec_outs, prompt_len, calibrations)
+    predicted, ratio = predict(cell, spec_traces, prompt_len, calibrations)
     # Each group's median over reps: a burst from another tenant hits one group run, not a whole rep.
     med = {m: sum(tokens[m]) / sum(statistics.median(w) for w in walls[m]) for m in MODES}
+    # Auto against the better mode rep by rep: within a rep the modes ran seconds apart, so the
+    # machine's drift over a cell (up to a quarter within a minute) cancels from each ratio, which a
+    # ratio of the modes' medians (taken at different moments) keeps.
+    best = max(("plain", "spec"), key=med.get)
+    per_rep = {m: [sum(tokens[m]) / sum(w[r] for w in walls[m]) for r in range(reps)] for m in MODES}
+    auto_vs_best = [a / b for a, b in zip(per_rep["auto"], per_rep[best])]
     verify_steps = sum(o.stats.verify_steps for o in auto_outs)
     all_steps = verify_steps + sum(o.stats.plain_steps for o in auto_outs)
     drift = engine.adaptive.view.drift
@@ -247,7 +259,8 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
         spec_tok_s=med["spec"],
         auto_tok_s=med["auto"],
         speedup=med["spec"] / med["plain"],
-        auto_vs_best=med["auto"] / max(med["plain"], med["spec"]),
+        auto_vs_best=statistics.median(auto_vs_best),
+        auto_vs_best_per_rep=auto_vs_best,
         acceptance=acceptance,
         cost_ratio=ratio,
         predicted_speedup=predicted,

@@ -217,11 +217,13 @@ class StepDrift:
     min_steps: int = 20
     bounds: tuple[float, float] = (0.5, 2.0)
     buckets: dict[int, _Drift] = field(default_factory=dict)
+    version: int = 0  # moves whenever the factors may have: what a price memoised under it is valid for
 
     def take(self, other: StepDrift) -> None:
         """Hold ``other``'s estimates from now on (what cost models holding this object price with)."""
         self.weight, self.min_steps, self.bounds, self.buckets = other.weight, other.min_steps, other.bounds, \
             other.buckets
+        self.version += 1
 
     @staticmethod
     def bucket(batch: float) -> int:
@@ -238,6 +240,7 @@ class StepDrift:
     def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1) -> None:
         if calibrated_s <= 0 or measured_s <= 0:
             return
+        self.version += 1
         bucket = self.bucket(batch)
         d = self.buckets.get(bucket)
         if d is None:  # not setdefault: a step should not build a _Drift it throws away

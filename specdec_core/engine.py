@@ -253,6 +253,7 @@ class Engine:
             self._account_regret(rows, proposals, before, timing.propose_s + timing.verify_s)
         timing.batch = batch
         timing.speculative_rows = sum(1 for p in proposals if p.token_ids)
+        timing.k = max(len(p.token_ids) for p in proposals)
         # Steps whose rows all proposed K tokens teach adaptive K how far real steps run from the
         # calibration; a draft's catch-up prefill (after plain steps) is not a step cost: skipped.
         proposed = {len(p.token_ids) for p in proposals}
@@ -369,11 +370,13 @@ class Engine:
         seed: int | None = 0,
         stop: Sequence[str] = (),
         params: Sequence[SamplingParams] | None = None,
+        trace: list[StepTiming] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion, batched. Request i is seeded with ``seed + i``; ``params`` (one
         per prompt) overrides the scalar arguments, e.g. to mix plain and speculative requests.
         ``mode="auto"`` re-chooses K each step up to ``num_speculative_tokens`` (``enable_adaptive``
-        first), dropping to plain steps where speculation does not pay."""
+        first), dropping to plain steps where speculation does not pay. ``trace``, if given, receives
+        every step's ``StepTiming``."""
         if params is None:
             if mode not in ("speculative", "plain", "auto"):
                 raise ValueError(f"mode must be 'speculative', 'plain' or 'auto', got {mode!r}")
@@ -395,5 +398,7 @@ class Engine:
             for out in self.step(stream_text=False):
                 if out.finished:
                     done[out.request_id] = out
+            if trace is not None:
+                trace.append(self.last_step)
         return [done[i] for i in ids]
 

@@ -80,6 +80,7 @@ class StepTiming:
 
     batch: int = 0  # running requests in the decode pass
     speculative_rows: int = 0
+    k: int = 0  # the step's widest proposal: its verify is k + 1 tokens wide for every row
     prefill_rows: int = 0
     propose_s: float = 0.0
     verify_s: float = 0.0

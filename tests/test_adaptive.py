@@ -271,6 +271,23 @@ def test_plain_requests_are_repriced_every_few_steps():
     assert policy.choose(KState(Phase.PLAIN, 0, REPRICE_EVERY - 1, 64), cls, **kw).k > 0
 
 
+def test_a_plain_requests_price_follows_the_drift():
+    """Plain rows' prices are memoised (``_plain_k``), but only while the drift stays put: once real
+    steps show speculation at 1.9x its calibration and plain at 0.6x, the same request re-priced
+    stays plain."""
+    from specdec_core.adaptive import REPRICE_EVERY
+
+    policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(prior_mean=0.5), "draft", probe_every=64)
+    cls = policy.traffic_class(0.0, "default")
+    repriced = KState(Phase.PLAIN, 0, REPRICE_EVERY - 1, 64)
+    kw = dict(accepted=300, judged=400, batch=1, k_max=8)
+    assert policy.choose(repriced, cls, **kw).k > 0
+    for _ in range(25):
+        policy.view.drift.observe(0, 0.6, 1.0, batch=1)
+        policy.view.drift.observe(4, 1.9, 1.0, batch=1)
+    assert policy.choose(repriced, cls, **kw).k == 0
+
+
 def test_probe_waits_when_the_draft_catch_up_cannot_pay():
     """Long context: after plain steps the draft is hundreds of tokens behind; a probe would pay that
     prefill for a handful of remaining tokens, so it is skipped; with few tokens to catch up it runs."""
