@@ -157,16 +157,13 @@ class Calibration:
 
 def calibrate_cell(engine: Engine, cell: Cell, prompt_len: int) -> Calibration:
     context_len = prompt_len + cell.max_new_tokens // 2
-    # At the cell's batch only: a batch's tail steps (fewer rows) are priced at its cost, a few percent
-    # pessimistic. Calibrating half the batch too taught the engine's drift at that batch, and auto then
-    # probed in those tail steps (8-11% of its steps at batch 4, 5-8% slower than plain).
     costs = calibrate(engine, batches=(cell.batch,), qs=tuple(sorted({1, 2, 3, cell.k + 1})),
                       context_len=context_len, temperature=cell.temperature)
     return Calibration(costs, engine.target.time_step(cell.batch, prompt_len, context_len=1, repeats=2))
 
 
-def predict(cell: Cell, spec_traces: list[list[StepTiming]], prompt_len: int, calibrations: list[Calibration]
-            ) -> tuple[float, float]:
+def predict(cell: Cell, spec_traces: list[list[StepTiming]], prompt_len: int, calibrations: list[Calibration],
+            grid: CostModel) -> tuple[float, float]:
     """(predicted speedup of fixed K over plain, cost ratio c) for the cell's whole batches: the
     median over calibrations taken before, during and after the cell's runs (this machine's speed
     drifts by up to a quarter within a minute, and one snapshot put a cell 21% off).
@@ -174,23 +171,27 @@ def predict(cell: Cell, spec_traces: list[list[StepTiming]], prompt_len: int, ca
     Decode costs are calibrated through the engine's own step phases at the cell's batch, context
     and temperature (on a synthetic prompt; sampling costs more per step than greedy). The traffic
     enters through the decode steps the speculative runs took: each step s of a batch is priced at
-    its rows b_s and its widest proposal k_s (a ragged batch verifies every row k_s + 1 wide),
-        t_spec = sum_s (t_D0 + k_s t_D + t_T(b_s, k_s + 1))   (t_D0, t_D: k_s > 0 only),
-    per batch run. A batch runs until its slowest row is done: rows that accepted less need more
+    its widest proposal k_s (a ragged batch verifies every row k_s + 1 wide) and its rows b_s,
+        t_spec = sum_s (t_D0 + k_s t_D + t_T(k_s + 1)) at the cell's batch B, times g(b_s, k_s) / g(B, k_s)
+    per batch run, where g is the engine's own calibration grid (``grid``): how a step's cost falls
+    as rows leave. A batch runs until its slowest row is done: rows that accepted less need more
     steps, and the rows that finished early leave a smaller batch behind. Pricing the mean tokens
-    per step instead (what a continuously refilled batch gets) put batches 4-32 16-19% optimistic.
-    Per step, because step cost is not linear in k (the mean proposal length overestimated the
-    n-gram cell by 20%) and E_K(a) of the per-token acceptance overestimated tokens per step by
-    4-10%: acceptance is not independent from position to position. A batch also pays the
-    target's prefill, and with speculation the draft's prefill, which short outputs cannot
-    amortise (prefill-heavy). Plain batches have no ragged tail: every row takes max_new - 1 steps.
+    per step instead (what a continuously refilled batch gets) put batches 4-32 16-19% optimistic;
+    pricing the tail at the full batch's cost, 10-24% pessimistic at batch 16-64. Calibrating the
+    cell at smaller batches instead would teach the engine's drift there (auto then probed in the
+    tail). Per step, because step cost is not linear in k (the mean proposal length overestimated
+    the n-gram cell by 20%) and E_K(a) of the per-token acceptance overestimated tokens per step by
+    4-10%: acceptance is not independent from position to position. A batch also pays the target's
+    prefill, and with speculation the draft's prefill, which short outputs cannot amortise
+    (prefill-heavy). Plain batches have no ragged tail: every row takes max_new - 1 steps.
     """
     decode = cell.max_new_tokens - 1  # the first token comes from the target's prefill
     steps = [s for trace in spec_traces for s in trace if not s.prefill_rows]
+    tail = [grid.spec_step_time(s.batch, s.k) / grid.spec_step_time(cell.batch, s.k) for s in steps]
     speedups, ratios = [], []
     for cal in calibrations:
         model = CostModel(cal.costs)
-        t_decode = sum(model.spec_step_time(s.batch, s.k, draft_rows=s.speculative_rows or None) for s in steps)
+        t_decode = sum(model.spec_step_time(cell.batch, s.k) * f for s, f in zip(steps, tail))
         draft_prefill = cal.costs.draft_prefill_s_per_token * prompt_len * cell.batch
         plain = cal.target_prefill_s + decode * model.plain_time_per_token(cell.batch)
         spec = cal.target_prefill_s + draft_prefill + t_decode / len(spec_traces)
@@ -236,7 +237,9 @@ def run_cell(pool: EnginePool, cell: Cell, reps: int) -> CellResult:
     spec_outs, auto_outs = outs_by_mode["spec"], outs_by_mode["auto"]
     acceptance = judged_acceptance(spec_outs)
     calibrations.append(calibrate_cell(engine, cell, prompt_len))
-    predicted, ratio = predict(cell, spec_traces, prompt_len, calibrations)
+    view = engine.adaptive.view
+    grid = CostModel(view.costs if cell.temperature <= 0 else view.sampled_costs)  # without the drift
+    predicted, ratio = predict(cell, spec_traces, prompt_len, calibrations, grid)
     # Each group's median over reps: a burst from another tenant hits one group run, not a whole rep.
     med = {m: sum(tokens[m]) / sum(statistics.median(w) for w in walls[m]) for m in MODES}
     # Auto against the better mode rep by rep: within a rep the modes ran seconds apart, so the
