@@ -25,7 +25,8 @@ def regimes_markdown(data: dict) -> str:
         f"Config: {json.dumps(data['config'])}",
         "",
         "tok/s = a mode's tokens over the sum of each prompt group's median wall time across reps. "
-        "speedup = fixed-K speculative tok/s / plain tok/s; auto/best = auto tok/s / max(plain, spec); "
+        "speedup = fixed-K speculative tok/s / plain tok/s; auto/best = the median over reps of auto tok/s over "
+        "the better mode's in the same rep (the better of plain and spec by the tok/s above); "
         "predicted = cost model (calibrated step costs + measured acceptance). auto K share: auto's decode "
         "steps at each K (K=1 after plain steps: probes); drift: its engine's measured / calibrated step time "
         "at the cell's batch, plain / speculative (1 until both have 20 steps).",
