@@ -19,7 +19,7 @@ from autoscaling.routing import PoolLoad, RoutingDecision, RoutingError
 from deployments import schemas
 from deployments.api import APIError, bad_request
 from deployments.config import AppConfig
-from deployments.regimes import RouteState, objective_of
+from deployments.regimes import Route, RouteState, objective_of
 from specdec_core import SamplingParams
 from specdec_core.acceptance import TrafficClass
 from specdec_core.request import eos_token_ids
@@ -117,12 +117,26 @@ def unavailable(request_id: str) -> APIError:
                     "server_error", None, "unavailable", {"Retry-After": str(RETRY_AFTER_S)})
 
 
+def _plain_while_down(route_state: RouteState, features, loads: Mapping[str, PoolLoad], down: Collection[str],
+                      request_id: str) -> Route:
+    """Speculation asked for in a pool that lost its replica (restarting): plain decoding on a pool that is
+    up, as that pool's in-flight requests migrate. Speculation is lossless, so the output is the same
+    (greedy token for token, sampled from the same distribution): only the speed differs, and the
+    response says what ran. 503 with Retry-After only when no pool can take it."""
+    try:
+        route = route_state.decide(dataclasses.replace(features, mode="plain", k=0, topology=None), loads)
+    except RoutingError:
+        raise unavailable(request_id) from None
+    reason = f"{' and '.join(sorted(down))} down (restarting): plain decoding until it is back"
+    return dataclasses.replace(route, decision=dataclasses.replace(route.decision, reason=reason))
+
+
 def plan_request(body, ids: list[int], max_tokens: int | None, default_max: int, chat: bool, request_id: str,
                  cfg: AppConfig, prompts: Prompts, route_state: RouteState, loads: Mapping[str, PoolLoad],
                  unavailable_pools: Collection[str] = ()) -> Plan:
     """Check the request against the model's limits, route it (``RouteState.decide``, over the
     pools that can take it now) and fix its sampling settings. Raises ``APIError``: 4xx, or 503
-    with ``Retry-After`` when the pool it needs lost its replica."""
+    with ``Retry-After`` when no pool that is up can take it."""
     field_ = "messages" if chat else "prompt"
     if body.model is not None and body.model != cfg.model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
@@ -153,9 +167,9 @@ def plan_request(body, ids: list[int], max_tokens: int | None, default_max: int,
     try:
         route = route_state.decide(features, loads)
     except RoutingError as exc:
-        if unavailable_pools and (spec.topology in unavailable_pools or spec.mode == "speculative"):
-            raise unavailable(request_id) from None  # the pool it asks for lost its replica: it is restarting
-        raise bad_request(str(exc), "speculation") from None
+        if not (unavailable_pools and (spec.topology in unavailable_pools or spec.mode == "speculative")):
+            raise bad_request(str(exc), "speculation") from None
+        route = _plain_while_down(route_state, features, loads, unavailable_pools, request_id)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, seed=body.seed, stop=tuple(stops), ignore_eos=body.ignore_eos,
                             num_speculative_tokens=route.decision.k, adaptive_k=route.adaptive,

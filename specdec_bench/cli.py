@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("faults", help="mixed load on a running server while random replicas are killed")
     _server_load_args(p)
     p.add_argument("--app", default="specdec", help="the Serve application's name (finds its replicas)")
-    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--minutes", type=float, default=10.0, help="the measured window")
+    p.add_argument("--warmup", type=float, default=120.0,
+                   help="seconds of load before the window (and a replacement replica's own warm-up)")
     p.add_argument("--kill-every", type=float, default=120.0, help="seconds between kills")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="which replicas get killed")

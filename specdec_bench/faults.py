@@ -1,14 +1,17 @@
 """`specdec-bench faults`: a steady mixed load against a running server while a random model replica
-is killed (SIGKILL, as a crash) every ``--kill-every`` seconds; bounded by ``--minutes``.
+is killed (SIGKILL, as a crash) every ``--kill-every`` seconds; ``--warmup`` seconds of load first,
+then ``--minutes`` measured.
 
 Each request (closed loop at ``--concurrency``; modes plain / co-located / separate / auto in turn,
 greedy and sampled in turn; streamed, ``ignore_eos``) counts as completed only if its stream ends
 with ``[DONE]``, carries no error event and holds exactly ``max_tokens`` tokens; anything else is
 lost. Reported: requests sent, completed, migrated (the response's ``speculation.migrations``),
-lost, latency p50/p99, the kills, each deployment's replica RSS after warm-up and at the end (and
-whether that replica was replaced meanwhile), and whether every KV slot and session is free once
-the load stops. Replicas are found by process name (``ray::ServeReplica:<app>:<deployment>``) on
-this machine, so run one server of that app name at a time.
+lost, latency p50/p99, the kills, and whether every KV slot and session is free once the load
+stops. Memory: every replica process's RSS is sampled every ``RSS_EVERY_S`` seconds, and each
+process's growth is reported from when it was warm (the measured window's start for the first
+processes, ``--warmup`` seconds after it appeared for a replacement, which starts cold) to its last
+sample. Replicas are found by process name (``ray::ServeReplica:<app>:<deployment>``) on this
+machine, so run one server of that app name at a time.
 """
 
 from __future__ import annotations
@@ -63,13 +66,18 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, i: int
     return {"ok": ok, "latency": r.get("latency"), "migrations": r.get("migrations", 0), "error": None if ok else why}
 
 
+RSS_EVERY_S = 15.0
+
+
 async def _run(args) -> dict:
     prompts = load_prompts(args.prompts)
     rng = random.Random(args.seed)
-    results, kills, rss = [], [], {}
+    results, kills = [], []
+    samples: dict[int, list[tuple[float, str, float]]] = {}  # pid -> [(s since the window's start, deployment, MiB)]
     async with httpx.AsyncClient(base_url=args.url, timeout=300) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        stop_at = time.monotonic() + 60 * args.minutes
+        window = time.monotonic() + args.warmup  # the measured window's start
+        stop_at = window + 60 * args.minutes
         counter = iter(range(10**9))
 
         async def worker():
@@ -77,27 +85,32 @@ async def _run(args) -> dict:
                 i = next(counter)
                 results.append(await one_request(client, model, prompts[i % len(prompts)], i, args.max_tokens))
 
+        async def sampler():
+            while time.monotonic() < stop_at:
+                t = time.monotonic() - window
+                for name, pid in replica_pids(args.app).items():
+                    mib = rss_mib(pid)
+                    if mib is not None:
+                        samples.setdefault(pid, []).append((t, name, mib))
+                await asyncio.sleep(RSS_EVERY_S)
+
         async def killer():
-            await asyncio.sleep(min(30.0, args.kill_every / 2))
-            rss["warm"] = {name: (pid, rss_mib(pid)) for name, pid in replica_pids(args.app).items()}
-            next_kill = time.monotonic() + args.kill_every / 2
-            while time.monotonic() < stop_at - args.kill_every / 4:
+            next_kill = window + args.kill_every / 2
+            while next_kill < stop_at - args.kill_every / 4:
                 await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
+                next_kill += args.kill_every
                 pids = replica_pids(args.app)
                 if not pids:  # all restarting: try again at the next turn
-                    next_kill += args.kill_every
                     continue
                 name = rng.choice(sorted(pids))
                 try:
                     os.kill(pids[name], signal.SIGKILL)
                 except ProcessLookupError:
                     continue
-                kills.append({"t_s": round(time.monotonic() - stop_at + 60 * args.minutes, 1), "deployment": name})
+                kills.append({"t_s": round(time.monotonic() - window, 1), "deployment": name})
                 print(f"killed {name} (pid {pids[name]})", flush=True)
-                next_kill += args.kill_every
 
-        await asyncio.gather(killer(), *[worker() for _ in range(args.concurrency)])
-        rss["end"] = {name: (pid, rss_mib(pid)) for name, pid in replica_pids(args.app).items()}
+        await asyncio.gather(sampler(), killer(), *[worker() for _ in range(args.concurrency)])
         await asyncio.sleep(2.0)  # releases of the last requests
         stats = (await client.get("/v1/stats")).json()
     ok = [r for r in results if r["ok"]]
@@ -110,11 +123,25 @@ async def _run(args) -> dict:
         "latency_s": {"p50": statistics.median(lat) if lat else None,
                       "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None},
         "kills": kills,
-        "rss_mib": {name: {"warm": rss.get("warm", {}).get(name, (None, None))[1], "end": end,
-                           "replaced": rss.get("warm", {}).get(name, (None,))[0] != pid}
-                    for name, (pid, end) in rss["end"].items()},
+        "rss": rss_growth(samples, args.warmup),
         "kv_free_at_end": all(r.get("free_slots") == r.get("total_slots") and not r.get("sessions") for r in replicas),
     }
+
+
+def rss_growth(samples: dict[int, list[tuple[float, str, float]]], warmup_s: float) -> list[dict]:
+    """Per replica process: its RSS once warm and at its last sample (None warm: it died or the window
+    ended before it was warm). A process seen before the window is warm at the window's start; a
+    replacement ``warmup_s`` after it first appeared."""
+    rows = []
+    for pid, seen in samples.items():
+        warm_from = 0.0 if seen[0][0] <= 0 else seen[0][0] + warmup_s
+        warm = next(((t, mib) for t, _, mib in seen if t >= warm_from), None)
+        end_t, name, end = seen[-1]
+        rows.append({"deployment": name, "pid": pid, "first_seen_s": round(seen[0][0], 1),
+                     "warm_at_s": None if warm is None else round(warm[0], 1), "warm_mib": None if warm is None else warm[1],
+                     "end_at_s": round(end_t, 1), "end_mib": end,
+                     "growth_pct": None if warm is None else 100 * (end / warm[1] - 1)})
+    return sorted(rows, key=lambda r: (r["deployment"], r["first_seen_s"]))
 
 
 def run_faults(args) -> dict:
@@ -127,12 +154,15 @@ def faults_markdown(data: dict) -> str:
              (f"- sent {data['sent']}, completed {data['completed']}, migrated {data['migrated']}, "
               f"lost {data['lost']}"),
              f"- latency p50 {data['latency_s']['p50'] or 0:.2f} s, p99 {data['latency_s']['p99'] or 0:.2f} s",
-             f"- kills: {kills}",
+             f"- kills (s into the measured window): {kills}",
              f"- every KV slot and session free at the end: {data['kv_free_at_end']}", "",
-             "| deployment | RSS after warm-up (MiB) | RSS at the end (MiB) | replaced meanwhile |", "|---|---|---|---|"]
-    for name, r in data["rss_mib"].items():
-        warm = f"{r['warm']:.0f}" if r["warm"] else "-"
-        lines.append(f"| {name} | {warm} | {r['end']:.0f} | {r['replaced']} |")
+             "| deployment | pid | first seen (s) | warm at (s) | RSS warm (MiB) | last sample (s) | RSS then (MiB) | growth |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in data["rss"]:
+        warm = "- | -" if r["warm_mib"] is None else f"{r['warm_at_s']:.0f} | {r['warm_mib']:.0f}"
+        growth = "-" if r["growth_pct"] is None else f"{r['growth_pct']:+.1f}%"
+        lines.append(f"| {r['deployment']} | {r['pid']} | {r['first_seen_s']:.0f} | {warm} | {r['end_at_s']:.0f} | "
+                     f"{r['end_mib']:.0f} | {growth} |")
     if data["lost_errors"]:
         lines += ["", "Lost: " + "; ".join(map(str, data["lost_errors"]))]
     return "\n".join(lines) + "\n"

@@ -94,3 +94,21 @@ def test_interleaved_orders_are_balanced(n):
         for a, b in zip(r, r[1:]):
             follows[a, b] = follows.get((a, b), 0) + 1
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
+def test_fault_bench_measures_each_replica_process_from_when_it_was_warm():
+    """A replica alive before the window is warm at its start; a replacement (it started cold, mid
+    window) only ``warmup`` seconds after it appeared; one killed before then has no growth."""
+    from specdec_bench.faults import rss_growth
+
+    samples = {
+        1: [(-120.0, "Draft", 500.0), (0.0, "Draft", 600.0), (600.0, "Draft", 612.0)],
+        2: [(-120.0, "Target", 700.0), (59.0, "Target", 720.0)],  # killed at 60 s
+        3: [(70.0, "Target", 400.0), (160.0, "Target", 640.0), (190.0, "Target", 650.0), (600.0, "Target", 660.0)],
+        4: [(500.0, "PlainPool", 500.0), (600.0, "PlainPool", 700.0)],  # appeared too late to be warm
+    }
+    rows = {r["pid"]: r for r in rss_growth(samples, warmup_s=120.0)}
+    assert rows[1]["warm_mib"] == 600.0 and rows[1]["growth_pct"] == pytest.approx(2.0)
+    assert rows[2]["warm_at_s"] == 59.0 and rows[2]["growth_pct"] == 0.0
+    assert rows[3]["warm_at_s"] == 190.0 and rows[3]["growth_pct"] == pytest.approx(100 * (660 / 650 - 1))
+    assert rows[4]["warm_mib"] is None and rows[4]["growth_pct"] is None
