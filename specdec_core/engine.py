@@ -251,12 +251,12 @@ class Engine:
         timing.verify_s = time.perf_counter() - t
         if self.adaptive is not None:
             self._account_regret(rows, proposals, before, timing.propose_s + timing.verify_s)
+        proposed = {len(p.token_ids) for p in proposals}
         timing.batch = batch
         timing.speculative_rows = sum(1 for p in proposals if p.token_ids)
-        timing.k = max(len(p.token_ids) for p in proposals)
+        timing.k = max(proposed)
         # Steps whose rows all proposed K tokens teach adaptive K how far real steps run from the
         # calibration; a draft's catch-up prefill (after plain steps) is not a step cost: skipped.
-        proposed = {len(p.token_ids) for p in proposals}
         if self.adaptive is not None and len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
             self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), batch,
                                        proposed.pop(), timing.propose_s + timing.verify_s)

@@ -6,9 +6,9 @@ import itertools
 import pytest
 
 from specdec_core import AcceptanceTracker, AdaptiveK, Engine, NgramProposer, StepCosts, TrafficClass
-from specdec_core.cost_view import CostView
 from specdec_core.adaptive import PROBE_K, KState, Phase, Regret, next_class_state, next_state, stop
 from specdec_core.calibration import calibrate
+from specdec_core.cost_view import CostView
 
 # Synthetic costs shaped like docs/ARCHITECTURE.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
 # batch 1 and ~3.4x at batch 64.

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from test_serve_app import APP, MAX_LEN, PATHS, ROOT, _free_port, app_args, sse_events, synthetic_costs
 
 pytestmark = pytest.mark.timeout(600)

@@ -97,6 +97,26 @@ def test_glue_explicit_and_fallbacks():
         route({"plain": PoolLoad(), "colocated": PoolLoad()}, topology="separate")
 
 
+def test_speculation_in_a_pool_that_is_down_decodes_plain_on_one_that_is_up():
+    """The separate pool lost its replica (routing sees no load for it): a request for it runs plain and
+    says why; with no pool up at all, 503 with Retry-After."""
+    from deployments.api import APIError
+    from deployments.planning import _plain_while_down
+
+    st = _state(costs=_compute_bound_costs())
+    f = st.features(temperature=0.0, top_p=1.0, max_tokens=64, prompt_tokens=8, mode="speculative", k=None,
+                    topology="separate", objective="latency", cls=st.traffic_class(0.0, None))
+    up = {"plain": PoolLoad(), "colocated": PoolLoad()}
+    with pytest.raises(RoutingError):
+        st.decide(f, up)
+    r = _plain_while_down(st, f, up, {"separate"}, "r1")
+    assert (r.pool, r.decision.k, r.adaptive) == ("plain", 0, False)
+    assert "separate down" in r.decision.reason
+    with pytest.raises(APIError) as err:
+        _plain_while_down(st, f, {}, {"separate", "plain", "colocated"}, "r2")
+    assert err.value.status == 503 and "Retry-After" in err.value.headers
+
+
 @pytest.mark.parametrize("features", [
     {"mode": "turbo"}, {"k": 9}, {"k": -1}, {"topology": "remote"}, {"mode": "plain", "k": 2},
     {"mode": "plain", "topology": "separate"}, {"mode": "speculative", "k": 0}, {"topology": "colocated", "k": 0},
