@@ -3,13 +3,18 @@
 Decode-time projections multiply a handful of token rows (M = batch x new tokens) by a weight. On
 the CPU, torch's default ``F.linear`` (an sgemm with the weight transposed) treats small M as M
 separate matrix-vector products, so a 5-token verify paid ~4x a 1-token step in matmul time
-(measured on these machines, docs/ARCHITECTURE.md (Facts)), which inflates the verify/plain cost ratio that
-decides whether speculation pays. Measured per layer stack of the shipped target (1 thread):
+(docs/ARCHITECTURE.md (Facts)). Two kernels avoid that:
 
-- M <= 2: ``x @ W^T`` with ``W^T`` stored contiguous [in, out] is ~2-3x faster than ``F.linear``;
-- M >= 3: oneDNN with the weight prepacked once (what inductor's CPU freezing does) is ~2x faster
-  than ``F.linear`` at M = 4..16 and ~1.4x at M = 64 (at M = 2 it loses to the plain product,
-  at M = 3 they tie).
+- ``x @ W^T`` with ``W^T`` stored contiguous [in, out];
+- oneDNN with the weight prepacked once (what inductor's CPU freezing does).
+
+Which one wins depends on the host, so it is measured, once per weight shape, when a projection is
+built. On an AMD EPYC host the packed kernel was ~2x faster than ``F.linear`` at M = 4..16 and tied
+``x @ W^T`` at M = 3; on an Intel Xeon (AMX) host with torch 2.13 it lost to ``x @ W^T`` at every M
+from 1 to 256 (1.1-4x), and made a whole plain engine 8-30% slower (BENCHMARKS.md, "Replica
+faults"). The packed kernel builds a oneDNN primitive per distinct M and keeps its memory for good:
+a replica's RSS stepped up with every new prefill or batch shape. So it only runs in the band of
+row counts where it measured faster, capped at ``PACKED_MAX_ROWS``, a bounded set of shapes.
 
 Both layouts hold the same fp32 values, and either kernel sums in a different order than
 ``F.linear`` only at the last bit. On CUDA (and for non-fp32 weights) it is ``x @ W^T`` only.
@@ -17,29 +22,84 @@ Both layouts hold the same fp32 values, and either kernel sums in a different or
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable, Sequence
+
 import torch
 
-PREPACKED_MIN_ROWS = 3  # token rows from which the prepacked kernel wins (measured, see above)
+PACKED_MAX_ROWS = 64  # bounds the distinct oneDNN primitives (memory kept per row count)
+PROBE_ROWS = (3, 4, 8, 16, 32, 64)  # row counts timed when a weight shape is first seen
+WIN_MARGIN = 0.85  # packed must take <= 85% of x @ W^T's time: a near tie keeps the plain product,
+# so two replicas on one host do not pick different kernels from timing noise
 
 
 def _prepack_supported(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def _packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def winning_band(probe_rows: Sequence[int], plain_us: Sequence[float], packed_us: Sequence[float]) -> range | None:
+    """Row counts for the packed kernel: the longest run of probes where it wins by the margin."""
+    best: range | None = None
+    start = None
+    for i, (rows, plain, packed) in enumerate(zip(probe_rows, plain_us, packed_us)):
+        if packed <= WIN_MARGIN * plain:
+            start = rows if start is None else start
+            band = range(start, rows + 1)
+            best = band if best is None or len(band) > len(best) else best
+        else:
+            start = None
+    return best
+
+
+def _best_us(fn: Callable[[], torch.Tensor], calls: int = 10, repeats: int = 3) -> float:
+    fn()  # the first call builds the kernel
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return min(times) * 1e6
+
+
+@functools.cache
+def packed_rows(in_features: int, out_features: int, threads: int) -> range | None:
+    """Measured on this host: the row counts where the packed kernel beats ``x @ W^T`` for this shape."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    weight_t, packed = weight.t().contiguous(), torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    plain_us, packed_us = [], []
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        plain_us.append(_best_us(lambda: x @ weight_t))
+        packed_us.append(_best_us(lambda: _packed(x, packed)))
+    return winning_band(PROBE_ROWS, plain_us, packed_us)
+
+
 class Projection:
     """y = x @ W^T for a weight W [out, in], with the kernel chosen by the number of token rows."""
 
-    def __init__(self, weight: torch.Tensor):  # [out, in]
+    def __init__(self, weight: torch.Tensor, packed_band: range | None | str = "measure"):  # [out, in]
         self.weight_t = weight.detach().t().contiguous()  # [in, out]
-        self.out_features = weight.shape[0]
-        # The prepacked copy is oneDNN's blocked layout: one extra copy of the weight on CPU only.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if _prepack_supported(weight) else None
+        self.out_features, in_features = weight.shape
+        if not _prepack_supported(weight):
+            packed_band = None
+        elif packed_band == "measure":
+            packed_band = packed_rows(in_features, self.out_features, torch.get_num_threads())
+        self.packed_band = packed_band
+        # oneDNN's blocked layout: one extra copy of the weight, kept only where it is used.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if packed_band else None
 
     @property
     def weight(self) -> torch.Tensor:  # [out, in], a view of the stored [in, out] tensor
         return self.weight_t.t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self.packed is not None and x.numel() >= PREPACKED_MIN_ROWS * x.shape[-1]:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.packed is not None and x.numel() // x.shape[-1] in self.packed_band:
+            return _packed(x, self.packed)
         return x @ self.weight_t

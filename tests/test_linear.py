@@ -6,16 +6,41 @@ import torch
 import torch.nn.functional as F
 
 from specdec_core.fused_llama import share_weight
-from specdec_core.linear import PREPACKED_MIN_ROWS, Projection
+from specdec_core.linear import PACKED_MAX_ROWS, Projection, winning_band
 
 
-@pytest.mark.parametrize("rows", [1, 2, PREPACKED_MIN_ROWS, 5, 16, 64])
-def test_projection_matches_linear(rows):
+@pytest.mark.parametrize("band", ["measure", None, range(3, PACKED_MAX_ROWS + 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 64, 100])
+def test_projection_matches_linear(rows, band):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 48, generator=gen)
-    proj = Projection(weight)
+    proj = Projection(weight, packed_band=band)
     x = torch.randn(2, rows, 48, generator=gen)[:1]
     torch.testing.assert_close(proj(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_kernel_runs_only_inside_its_band(monkeypatch):
+    import specdec_core.linear as linear
+
+    calls = []
+    real = linear._packed
+    monkeypatch.setattr(linear, "_packed", lambda x, packed: calls.append(x.shape[0]) or real(x, packed))
+    proj = Projection(torch.randn(8, 4), packed_band=range(3, 17))
+    if proj.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    for rows in (1, 2, 3, 16, 17, 64):
+        proj(torch.randn(rows, 4))
+    assert calls == [3, 16]
+    assert Projection(torch.randn(8, 4), packed_band=None).packed is None  # no second copy of the weight
+
+
+def test_the_band_is_the_longest_run_where_packed_wins_by_the_margin():
+    rows = (3, 4, 8, 16, 32, 64)
+    plain = [10.0] * 6
+    assert winning_band(rows, plain, [20, 20, 20, 20, 20, 20]) is None  # the Xeon host: never
+    assert winning_band(rows, plain, [10, 5, 5, 5, 9, 12]) == range(4, 17)  # a near tie (9 of 10) keeps x @ W^T
+    assert winning_band(rows, plain, [5, 12, 5, 5, 5, 12]) == range(8, 33)
+    assert winning_band(rows, plain, [5] * 6) == range(3, 65)
 
 
 def test_modules_share_the_projection_memory():
