@@ -185,7 +185,10 @@ class Pools:
         drift = self._route_state.drift if params.adaptive_k else None
         req = GenerateRequest(plan.request_id, plan.prompt_ids, params,
                               self._cfg.stream_interval_s if plan.stream else None, resume, drift)
-        responses = self.engines[plan.pool].options(stream=True).generate.remote(req)
+        # Serve's gRPC transport (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on for every handle):
+        # a streamed call costs half of the actor transport's here (BENCHMARKS.md, "Serving overhead").
+        # Nothing on this path needs an object ref.
+        responses = self.engines[plan.pool].options(stream=True, _by_reference=False).generate.remote(req)
         finished = False
         try:
             async for d in responses:
