@@ -1,7 +1,7 @@
 """The separate topology's step loop: propose on the Draft deployment, verify on the Target.
 
-Per step the loop calls ``Draft.propose(session, history, K, params)`` and passes the returned
-DeploymentResponse, unawaited, into ``Target.verify(session, history, proposal, params)``; it
+Per step the loop awaits ``Draft.propose(session, history, K, params)`` and sends the proposal on to
+``Target.verify(session, history, proposal, params)``, both over Serve's gRPC transport; it
 appends the outcome (a ``VerifyResult``: the accepted draft tokens + one recovered or bonus token,
 Leviathan et al. 2023, Algorithm 1) to the request's history, which it owns: the replicas hold only
 soft KV state keyed by session and reconcile against the history they receive. Both handles are
@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.messages import Delta, Resume
 from deployments.metrics import RouterMetrics
-from specdec_core import SamplingParams, VerifyResult
+from specdec_core import Proposal, SamplingParams, VerifyResult
 from specdec_core.request import RequestState, resumed_seed
 
 logger = logging.getLogger("ray.serve")
@@ -45,14 +45,6 @@ class SeparateRequest(RequestState):
 
     def delta(self) -> Delta:
         return Delta.of(self.output())
-
-
-async def _failed(response) -> bool:
-    try:
-        await response
-    except Exception:  # noqa: BLE001
-        return True
-    return False
 
 
 class SeparateLoop:
@@ -78,8 +70,10 @@ class SeparateLoop:
             sid = f"{request_id}~{len(resume.output_ids)}"
             if p.seed is not None:
                 p = dataclasses.replace(p, seed=resumed_seed(p.seed, len(resume.output_ids)))
-        draft = self._draft.options(session_id=sid)
-        target = self._target.options(session_id=sid)
+        # The proposal comes back here and goes on to the Target by value: two gRPC calls cost less
+        # than one chain passing the draft's response through by reference (BENCHMARKS.md, "Serving overhead").
+        draft = self._draft.options(session_id=sid, _by_reference=False)
+        target = self._target.options(session_id=sid, _by_reference=False)
         req = SeparateRequest(request_id, prompt_ids, p, self._tokenizer, self._eos_ids)
         if resume is not None:
             req.resume(resume.output_ids, resume.sent_chars)
@@ -92,21 +86,13 @@ class SeparateLoop:
                 draft_up = time.monotonic() >= self._draft_down_until
                 k = 0 if first or not draft_up else req.budget_k(p.num_speculative_tokens, self._max_model_len)
                 history = list(req.tokens)
+                proposal = None
                 if k > 0:
                     draft_used = True
-                    proposal = draft.propose.remote(sid, history, k, p)  # not awaited: passed through
-                    try:
-                        outcome = await asyncio.wait_for(target.verify.remote(sid, history, proposal, p),
-                                                         self._step_timeout_s)
-                    except Exception as exc:  # the draft's failure, or the target's: re-raised
-                        # A draft that does not answer in time (dead, restarting) has failed too.
-                        if not isinstance(exc, asyncio.TimeoutError) and not await _failed(proposal):
-                            raise
-                        proposal.cancel()
+                    proposal = await self._propose(draft, sid, history, k, p)
+                    if proposal is None:
                         draft_failed = self._draft_failed(sid, draft_failed)
-                        outcome = await self._plain_verify(target, sid, history, p)
-                else:
-                    outcome = await self._plain_verify(target, sid, history, p)
+                outcome = await self._verify(target, sid, history, proposal, p)
                 first = False
                 req.stats.record_verify(outcome.num_proposed, outcome.num_accepted)
                 req.commit(outcome.emitted)
@@ -131,13 +117,22 @@ class SeparateLoop:
         logger.warning("request %s: draft propose failed; plain verify steps for %.0f s", sid, DRAFT_RETRY_S)
         return True
 
-    async def _plain_verify(self, target: DeploymentHandle, sid: str, history: list[int],
-                            p: SamplingParams) -> VerifyResult:
-        """A verify step without a proposal. Serve holds a call to a dead replica until its
-        replacement is up (~15 s here): a step not answered within ``step_timeout_s`` counts as
-        the Target lost, and the request migrates."""
+    async def _propose(self, draft: DeploymentHandle, sid: str, history: list[int], k: int,
+                       p: SamplingParams) -> Proposal | None:
+        """The draft's proposal, or None when the draft failed or did not answer within ``step_timeout_s``
+        (dead, restarting): the step then verifies without one, and the request goes on plain."""
         try:
-            return await asyncio.wait_for(target.verify.remote(sid, history, None, p), self._step_timeout_s)
+            return await asyncio.wait_for(draft.propose.remote(sid, history, k, p), self._step_timeout_s)
+        except Exception:  # noqa: BLE001 - any draft failure degrades to a plain step
+            return None
+
+    async def _verify(self, target: DeploymentHandle, sid: str, history: list[int], proposal: Proposal | None,
+                      p: SamplingParams) -> VerifyResult:
+        """A verify step. Serve holds a call to a dead replica until its replacement is up (~15 s
+        here): a step not answered within ``step_timeout_s`` counts as the Target lost, and the
+        request migrates."""
+        try:
+            return await asyncio.wait_for(target.verify.remote(sid, history, proposal, p), self._step_timeout_s)
         except asyncio.TimeoutError:
             raise ReplicaLost(f"Target did not answer a verify within {self._step_timeout_s} s") from None
 

@@ -2,8 +2,8 @@
 
 ``verify(session_id, token_ids, proposal, params)`` runs one verify step (Leviathan et al. 2023,
 Algorithm 1) for one session; ``@serve.batch`` fuses the concurrent calls of many sessions into one
-target forward (``Verifier.verify`` takes a list). ``proposal`` is the Draft's DeploymentResponse,
-passed through by the router unawaited (Serve resolves it before the call runs here), or None for a
+target forward (``Verifier.verify`` takes a list). ``proposal`` is the Draft's proposal, which the
+router received and sends on, or None for a
 plain step (prefill, K=0, or a request whose draft failed). The outcome (emitted tokens, accepted
 count: a ``VerifyResult``) goes back to the router, which owns the history and sends it with the next call; the
 verifier reconciles its KV cache against it (``SequenceSlots.sync``).
