@@ -1,0 +1,90 @@
+"""Serve's direct ingress (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``, README "Lower latency without the
+proxy"): the Router replica serves HTTP on a port of its own besides the proxy's. The same requests
+through it give the same output as through the proxy, and a client that leaves mid-stream frees every
+KV slot, as through the proxy."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+from test_serve_app import APP, PATHS, ROOT, _free_port, app_args, complete, sse_events, wait_idle
+
+pytestmark = pytest.mark.timeout(600)
+
+DIRECT_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+
+
+def _direct_url(first_port: int) -> str:
+    """The Router replica's own HTTP port: the first free one Serve allocates from the configured minimum."""
+    for port in range(first_port, first_port + 20):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            continue
+    pytest.fail(f"no direct-ingress port answered from {first_port}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    first = _free_port()
+    # Read by the processes the cluster starts (the controller, the proxy, the replicas), so set before it.
+    env = {**DIRECT_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
+           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 20)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args(tiny_models)), name=APP, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "direct": _direct_url(first),
+               "router": serve.get_deployment_handle("Router", APP)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_direct_and_proxy_give_the_same_output(server, path):
+    speculation = PATHS[path]
+    assert server["direct"] != server["url"]
+    with httpx.Client(base_url=server["url"], timeout=120) as proxy, \
+            httpx.Client(base_url=server["direct"], timeout=120) as direct:
+        via_proxy = complete(proxy, speculation=speculation)["choices"][0]["token_ids"]
+        via_direct = complete(direct, speculation=speculation)["choices"][0]["token_ids"]
+        body = {"model": "tiny", "prompt": "It is a truth universally", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "stream": True, "speculation": speculation}
+        with direct.stream("POST", "/v1/completions", json=body) as r:
+            events = sse_events(r.iter_lines())
+    streamed = [t for e in events if e != "[DONE]" and e["choices"] for t in e["choices"][0].get("token_ids") or []]
+    assert via_direct == via_proxy == streamed and len(streamed) == 24
+    assert events[-1] == "[DONE]"
+
+
+def test_a_client_leaving_mid_stream_frees_everything(server):
+    body = {"model": "tiny", "prompt": "It is a truth", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True, "speculation": {"mode": "speculative", "topology": "colocated"}}
+    with httpx.Client(base_url=server["direct"], timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert any(line.startswith("data: ") for line in lines)  # one chunk, then leave
+        busy_then_idle = wait_idle(server, timeout=60)
+    aborted = sum(r["aborted"] for r in busy_then_idle["plain"] + busy_then_idle["colocated"])
+    assert aborted >= 1
+    with httpx.Client(base_url=server["direct"], timeout=60) as c:
+        assert complete(c, max_tokens=3)["usage"]["completion_tokens"] == 3
