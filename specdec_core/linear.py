@@ -46,7 +46,7 @@ def winning_band(probe_rows: Sequence[int], plain_us: Sequence[float], packed_us
     """Row counts for the packed kernel: the longest run of probes where it wins by the margin."""
     best: range | None = None
     start = None
-    for i, (rows, plain, packed) in enumerate(zip(probe_rows, plain_us, packed_us)):
+    for rows, plain, packed in zip(probe_rows, plain_us, packed_us):
         if packed <= WIN_MARGIN * plain:
             start = rows if start is None else start
             band = range(start, rows + 1)
@@ -76,8 +76,8 @@ def packed_rows(in_features: int, out_features: int, threads: int) -> range | No
     plain_us, packed_us = [], []
     for rows in PROBE_ROWS:
         x = torch.randn(rows, in_features, generator=gen)
-        plain_us.append(_best_us(lambda: x @ weight_t))
-        packed_us.append(_best_us(lambda: _packed(x, packed)))
+        plain_us.append(_best_us(lambda x=x: x @ weight_t))
+        packed_us.append(_best_us(lambda x=x: _packed(x, packed)))
     return winning_band(PROBE_ROWS, plain_us, packed_us)
 
 

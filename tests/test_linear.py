@@ -20,7 +20,7 @@ def test_projection_matches_linear(rows, band):
 
 
 def test_the_packed_kernel_runs_only_inside_its_band(monkeypatch):
-    import specdec_core.linear as linear
+    from specdec_core import linear
 
     calls = []
     real = linear._packed
