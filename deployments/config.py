@@ -142,11 +142,8 @@ class AppConfig(BaseModel):
     calibrate_on_start: bool = Field(True, description="Co-located replicas without a matching calibration record "
                                      "time their step costs at start-up (a few seconds on CPU); off: no adaptive "
                                      "K in the replica and the router keeps its prior cost table.")
-    verify_max_batch_size: int = Field(32, ge=1, description="Target: most verify calls fused into one forward.")
-    verify_batch_wait_s: float = Field(0.0, ge=0, description="Target/Draft: how long @serve.batch waits to fill a "
-                                                              "batch after its first call. 0: no wait; calls that "
-                                                              "arrive during a forward still form the next batch "
-                                                              "(measured: a 2 ms wait costs ~3 ms/step at batch 1).")
+    separate_overlap: bool = Field(True, description="Separate topology: the Draft proposes the next round while the "
+                                   "Target verifies this one (PEARL's post-verify; deployments/separate_loop.py).")
 
     # ---- API --------------------------------------------------------------------------------------
     max_inflight_requests: int = Field(64, ge=1, description="Requests the router serves at once; above it new "
@@ -160,11 +157,10 @@ class AppConfig(BaseModel):
                                      "message in all. Ray Serve LLM batches streams the same way.")
     migration_limit: int = Field(3, ge=0, description="Times one request may move to another replica or pool "
                                  "when the replica serving it dies (0: a replica death fails its requests).")
-    step_timeout_s: float = Field(2.0, gt=0, description="Separate topology: a step not verified within this "
-                                  "time means a lost replica (Serve holds calls to a dead one until its "
-                                  "replacement is up): a step with a draft proposal runs again plain and "
-                                  "speculation pauses for 5 s (the Draft is presumed lost); a plain step moves "
-                                  "the request to an engine pool (the Target is presumed lost).")
+    step_timeout_s: float = Field(2.0, gt=0, description="Separate topology: a replica that does not answer a "
+                                  "step within this time is presumed lost (one that died closes its channel at "
+                                  "once): a Draft's requests decode plain and speculation pauses for 5 s; a "
+                                  "Target's requests move to an engine pool.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; a larger one gets 413 before "
                                 "it is read (a full context of text is a few KB).")
     max_header_bytes: int = Field(32 << 10, ge=1024, description="Largest total size of a request's headers; "

@@ -53,8 +53,7 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--requests", type=int, default=3)
-    ap.add_argument("--batch-wait", type=float, default=None,
-                    help="verify_batch_wait_s for Draft/Target (default: the config's)")
+    ap.add_argument("--no-overlap", action="store_true", help="separate_overlap: false")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -75,7 +74,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        extra = {} if args.batch_wait is None else {"verify_batch_wait_s": args.batch_wait}
+        extra = {"separate_overlap": not args.no_overlap}
         serve.run(build_app({**models, **extra, "max_model_len": 512, "router": {"num_cpus": 0.1},
                              "plain": {"num_cpus": 0.1}, "colocated": {"num_cpus": 0.1},
                              "draft_deployment": {"num_cpus": 0.1}, "target_deployment": {"num_cpus": 0.1}}),
@@ -123,7 +122,7 @@ def main() -> None:
         results["separate_step_overhead_ms"] = (sep["ms_per_token"] - col["ms_per_token"]) * sep["tokens_per_step"]
         results["models"] = models
         results["k"] = args.k
-        results["verify_batch_wait_s"] = args.batch_wait
+        results["separate_overlap"] = not args.no_overlap
         print(json.dumps(results, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec_core import RequestOutput, RequestStats, SamplingParams
+from specdec_core import Proposal, RequestOutput, RequestStats, SamplingParams
 from specdec_core.costmodel import StepCosts, StepDrift
 
 
@@ -106,3 +106,42 @@ class Placement:
 
     replica: str
     holds: bool  # the replica holds the session's KV cache
+
+
+# The separate topology's step messages (deployments/channel.py carries them; contexts.py builds them).
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    session_id: str
+    start: int  # the replica keeps this many tokens of the context it holds ...
+    tokens: list[int]  # ... and appends these
+    params: SamplingParams | None = None  # sent with start == 0 (a new session, or a resync)
+
+
+@dataclass(frozen=True)
+class Resync:
+    """The replica cannot apply a change to a context it does not hold: send the whole context."""
+
+
+@dataclass(frozen=True)
+class ItemFailed:
+    """One item of a step failed on the replica (the other items of the step still succeed)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class ProposeStepItem:
+    """Draft: propose ``k`` tokens after the session's context."""
+
+    context: SessionContext
+    k: int
+
+
+@dataclass(frozen=True)
+class VerifyStepItem:
+    """Target: verify ``proposal`` after the session's context (None: a plain step, or the prefill)."""
+
+    context: SessionContext
+    proposal: Proposal | None

@@ -147,10 +147,11 @@ class RequestState:
         self.text = detokenize_incrementally(self.tokenizer, self.output_ids, self._detok)
         self._sent_tokens, self._sent_text = len(self.output_ids), sent_chars
 
-    def budget_k(self, k: int, max_len: int) -> int:
-        """A verify emits up to K+1 tokens: proposing past the token budget or the context is waste."""
-        remaining = self.params.max_new_tokens - len(self.output_ids)
-        room = max_len - len(self.tokens)
+    def budget_k(self, k: int, max_len: int, ahead: int = 0) -> int:
+        """A verify emits up to K+1 tokens: proposing past the token budget or the context is waste.
+        ``ahead``: the proposal follows that many tokens not yet committed (an overlapped round)."""
+        remaining = self.params.max_new_tokens - len(self.output_ids) - ahead
+        room = max_len - len(self.tokens) - ahead
         return max(0, min(k, remaining - 1, room))
 
     def commit(self, emitted: list[int]) -> None:

@@ -1,0 +1,116 @@
+"""The replica half of the separate topology's step protocol, shared by Draft and Target.
+
+A replica answers one message per step from the loop's owner (the Router): a list of items, one
+per session, each carrying the change to that session's context (``deployments/contexts.py``).
+It rebuilds each full context, runs the whole list as one batched model call on its worker thread
+and answers item by item: a result, ``Resync`` (it does not hold the context: send it whole) or
+``ItemFailed``. Messages come over a direct channel (``deployments/channel.py``) whose address a
+session-pinned Serve call (``channel``) returns; the replica stays a Serve deployment.
+
+Model work runs on one worker thread: it serialises access to the model (release included) and
+keeps the replica's event loop free to read the next frames meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+
+from deployments.channel import ChannelAddress, ChannelServer
+from deployments.contexts import ReplicaContexts
+from deployments.messages import ItemFailed, Resync, SessionContext
+from specdec_core import SamplingParams
+
+
+def session_generator(params: SamplingParams) -> torch.Generator | None:
+    """A per-session generator: seeded from the request seed, or randomly; None when greedy."""
+    if params.temperature <= 0:
+        return None
+    gen = torch.Generator()
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+class Tombstones:
+    """Recently released session ids. Session ids are unique per request, so a step item that
+    arrives for a released session is a straggler (its step was given up) and must not
+    re-allocate a KV slot."""
+
+    def __init__(self, capacity: int = 65536):
+        self._ids: dict[str, None] = {}
+        self._capacity = capacity
+
+    def add(self, session_id: str) -> None:
+        self._ids[session_id] = None
+        if len(self._ids) > self._capacity:
+            self._ids.pop(next(iter(self._ids)))
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._ids
+
+
+class StepReplica:
+    """Channel, contexts and worker thread of a Draft or Target replica. A subclass runs a step's
+    items (``_run_step``) and frees a session's model state (``_drop``)."""
+
+    def __init__(self, role: str):
+        self._role = role
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=role.lower())
+        self._contexts = ReplicaContexts()
+        self._released = Tombstones()
+        self._server = ChannelServer(self._replica_id(), {"step": self._step, "release": self._release})
+
+    async def channel(self) -> ChannelAddress:
+        """Where the loop's owner sends this replica's steps (a session-pinned call reaches it)."""
+        return await self._server.address(ray.util.get_node_ip_address())
+
+    async def _step(self, items: list) -> list:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._step_sync, items)
+
+    def _step_sync(self, items: list) -> list:
+        results: list[Any] = [None] * len(items)
+        runnable = []  # (index, item, full context, params)
+        for i, item in enumerate(items):
+            ctx: SessionContext = item.context
+            if ctx.session_id in self._released:
+                results[i] = ItemFailed(f"session {ctx.session_id} was released")
+                continue
+            held = self._contexts.apply(ctx)
+            if held is None:
+                results[i] = Resync()
+                continue
+            runnable.append((i, item, *held))
+        for i, result in zip((r[0] for r in runnable), self._run_step([r[1:] for r in runnable])):
+            results[i] = result
+        return results
+
+    def _run_step(self, items: list[tuple[Any, list[int], SamplingParams]]) -> list:
+        """Results for (item, full context, params) triples, in order."""
+        raise NotImplementedError
+
+    def _drop(self, session_id: str) -> bool:
+        """Free the session's model state; whether it held any."""
+        raise NotImplementedError
+
+    async def _release(self, session_ids: list[str]) -> int:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._release_sync, session_ids)
+
+    def _release_sync(self, session_ids: list[str]) -> int:
+        held = 0
+        for sid in session_ids:
+            held += self._drop(sid)
+            self._contexts.drop(sid)
+            self._released.add(sid)
+        return held
+
+    @staticmethod
+    def _replica_id() -> str:
+        return serve.get_replica_context().replica_id.unique_id
