@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -142,8 +143,10 @@ class AppConfig(BaseModel):
     calibrate_on_start: bool = Field(True, description="Co-located replicas without a matching calibration record "
                                      "time their step costs at start-up (a few seconds on CPU); off: no adaptive "
                                      "K in the replica and the router keeps its prior cost table.")
-    separate_overlap: bool = Field(True, description="Separate topology: the Draft proposes the next round while the "
-                                   "Target verifies this one (PEARL's post-verify; deployments/separate_loop.py).")
+    separate_overlap: Literal["auto", "always", "never"] = Field(
+        "auto", description="Separate topology: the Draft proposes a request's next round while the Target verifies "
+        "this one (PEARL's post-verify, deployments/separate_loop.py). auto: where the cost model says it pays "
+        "(CostModel.overlap_pays); always / never: for measurements (routing prices auto's choice).")
 
     # ---- API --------------------------------------------------------------------------------------
     max_inflight_requests: int = Field(64, ge=1, description="Requests the router serves at once; above it new "

@@ -18,6 +18,8 @@ import torch
 from deployments.config import AppConfig
 from deployments.messages import ItemFailed, Placement, ProposeStepItem, SideStats
 from deployments.step_replica import StepReplica, session_generator
+
+DRAFT_STREAM = 1  # the Draft's random stream of a seeded request (the Target's is 0)
 from specdec_core import DraftModelProposer, ModelRunner, Proposal, ProposalRequest, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -59,7 +61,7 @@ class Draft(StepReplica):
                     continue
                 free -= 1
             if sid not in self._generators:
-                self._generators[sid] = session_generator(smp)
+                self._generators[sid] = session_generator(smp, DRAFT_STREAM)
             requests.append(ProposalRequest(sid, hist, k, smp.temperature, smp.top_p, smp.top_k,
                                             self._generators[sid]))
             index.append(i)

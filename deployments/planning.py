@@ -174,8 +174,10 @@ def plan_request(body, ids: list[int], max_tokens: int | None, default_max: int,
                             top_k=body.top_k, seed=body.seed, stop=tuple(stops), ignore_eos=body.ignore_eos,
                             num_speculative_tokens=route.decision.k, adaptive_k=route.adaptive,
                             domain=cls.domain,
-                            # the router's estimate: the replica's adaptive K prices the request with it
-                            class_acceptance=route_state.tracker.estimate(cls) if route.adaptive else None)
+                            # the router's estimate: the replica's adaptive K, or the separate loop's
+                            # choice to overlap, prices the request with it
+                            class_acceptance=(route_state.tracker.estimate(cls)
+                                              if route.adaptive or route.pool == "separate" else None))
     try:
         params.validate()  # the engine's own admission check, so no request reaches a step it would fail
     except ValueError as exc:

@@ -146,7 +146,7 @@ class Pools:
         sent_chars = 0
         while True:
             resume = Resume(emitted, sent_chars) if plan.migrations else None
-            gen = (self.separate.generate(plan.request_id, plan.prompt_ids, plan.params, resume)
+            gen = (self.separate.generate(plan.request_id, plan.prompt_ids, plan.params, self._interval(plan), resume)
                    if plan.pool == "separate" else self._run_engine(plan, resume))
             try:
                 async for delta in gen:
@@ -179,12 +179,15 @@ class Pools:
         up = [p for p in others if p not in self.down]
         return (up or others or [lost])[0]
 
+    def _interval(self, plan: Plan) -> float | None:
+        """How often a request's deltas go out: per ``stream_interval_s`` streamed, once otherwise."""
+        return self._cfg.stream_interval_s if plan.stream else None
+
     async def _run_engine(self, plan: Plan, resume: Resume | None) -> AsyncIterator[Delta]:
         params = plan.params_for(plan.pool)
         # An adaptive request carries the router's drift: the replica prices its steps with it (one view).
         drift = self._route_state.drift if params.adaptive_k else None
-        req = GenerateRequest(plan.request_id, plan.prompt_ids, params,
-                              self._cfg.stream_interval_s if plan.stream else None, resume, drift)
+        req = GenerateRequest(plan.request_id, plan.prompt_ids, params, self._interval(plan), resume, drift)
         # Serve's gRPC transport (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on for every handle):
         # a streamed call costs half of the actor transport's here (BENCHMARKS.md, "Serving overhead").
         # Nothing on this path needs an object ref.

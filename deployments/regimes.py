@@ -35,6 +35,7 @@ from autoscaling.traffic_classes import DomainTable
 from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts, StepDrift
+from specdec_core.request import SamplingParams
 from specdec_core.stats import RequestStats
 
 POOLS = ("plain", "colocated", "separate")
@@ -66,9 +67,11 @@ def objective_of(requested: str | None, service_tier: str | None) -> str:
     return "throughput" if (service_tier or "").lower() in THROUGHPUT_TIERS else "latency"
 
 
-def with_hops(costs: StepCosts, separate_hop_s: float) -> StepCosts:
-    """The same measured forwards with this service's hop overheads (co-located: 0)."""
-    return dataclasses.replace(costs, hop_overhead_s={"colocated": 0.0, "separate": float(separate_hop_s)})
+def with_hops(costs: StepCosts, separate_hop_s: float, separate_overlap: str = "auto") -> StepCosts:
+    """The same measured forwards with this service's hop overheads (co-located: 0), and whether its
+    separate topology overlaps draft and verify (config ``separate_overlap``)."""
+    return dataclasses.replace(costs, hop_overhead_s={"colocated": 0.0, "separate": float(separate_hop_s)},
+                               overlapped=() if separate_overlap == "never" else ("separate",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,7 @@ class RouteState:
         default_k: int,
         context_limit: int,
         separate_hop_s: float = SEPARATE_HOP_S,
+        separate_overlap: str = "auto",
         thresholds: RoutingThresholds | None = None,
         domains: DomainTable | None = None,
         exploration: Exploration | None = None,
@@ -103,6 +107,7 @@ class RouteState:
         self.default_k = default_k
         self.context_limit = context_limit
         self.separate_hop_s = separate_hop_s
+        self.separate_overlap = separate_overlap
         self.thresholds = thresholds or RoutingThresholds()
         self.domains = domains or DomainTable()
         self.exploration = exploration or Exploration()
@@ -115,7 +120,7 @@ class RouteState:
     def set_costs(self, costs: StepCosts, source: str | None = None, sampled_costs: StepCosts | None = None
                   ) -> None:
         """The step costs to price with (the co-located replicas' calibration), greedy and sampled."""
-        self.costs = with_hops(costs, self.separate_hop_s)
+        self.costs = with_hops(costs, self.separate_hop_s, self.separate_overlap)
         self.costs_source = source or costs.source
         # What served requests measure against these costs (new costs: nothing learnt yet). A served
         # step also pays the replica's loop and streaming: measured 1.4-2.2x an engine step here, so
@@ -123,7 +128,7 @@ class RouteState:
         # drift; adaptive requests carry it to the replica, which prices with it too (one view).
         # One observation is one finished request, whose time per token averages its dozens of steps:
         # a few of them on each side are evidence enough, and each weighs more than an engine step.
-        self.view = CostView(self.costs, with_hops(sampled_costs, self.separate_hop_s) if sampled_costs else None,
+        self.view = CostView(self.costs, with_hops(sampled_costs, self.separate_hop_s, self.separate_overlap) if sampled_costs else None,
                              StepDrift(weight=SERVED_DRIFT_WEIGHT, min_steps=SERVED_DRIFT_MIN_REQUESTS,
                                        bounds=SERVED_DRIFT_BOUNDS))
 
@@ -133,6 +138,17 @@ class RouteState:
 
     def cost_model(self, greedy: bool = True, context_len: int = 0) -> CostModel:
         return self.view.model(greedy, context_len)
+
+    def overlap_pays(self, batch: int, k: int, stats: RequestStats, params: SamplingParams, context_len: int) -> bool:
+        """Should the separate loop overlap this request's next round (``CostModel.overlap_pays``)? Its
+        acceptance: its own judged tokens shrunk towards its class's estimate, as adaptive K's."""
+        if self.separate_overlap != "auto":
+            return k > 0 and self.separate_overlap == "always"
+        prior = self.tracker.prior_weight
+        judged = sum(stats.proposed_per_position)
+        class_a = params.class_acceptance if params.class_acceptance is not None else self.tracker.prior_mean
+        a = (stats.accepted + prior * class_a) / (judged + prior)
+        return self.cost_model(params.temperature <= 0, context_len).overlap_pays(batch, k, a)
 
     @property
     def calibrated(self) -> bool:

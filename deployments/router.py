@@ -17,6 +17,7 @@ once the app is RUNNING and routes on a prior table (docs/ARCHITECTURE.md, Facts
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -58,7 +59,7 @@ class Router:
         tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight, cfg.acceptance_half_life_tokens,
                                     half_life_s=cfg.acceptance_half_life_s, clock=time.monotonic)
         self.route_state = RouteState(model_label(cfg.draft), tracker, cfg.k_max, cfg.default_k,
-                                      self.prompts.max_model_len, cfg.separate_hop_overhead_s,
+                                      self.prompts.max_model_len, cfg.separate_hop_overhead_s, cfg.separate_overlap,
                                       RoutingThresholds(margin=cfg.route_margin),
                                       DomainTable(cfg.max_traffic_classes, cfg.traffic_class_buckets,
                                                   cfg.traffic_class_promote_after),
@@ -67,7 +68,7 @@ class Router:
         engines = {name: h for name, h in (("plain", plain), ("colocated", colocated)) if h is not None}
         separate = None if target is None else SeparateLoop(
             draft, target, self.prompts.tokenizer, self.prompts.eos_ids, self.prompts.max_model_len,
-            cfg.step_timeout_s, cfg.separate_overlap, self.metrics)
+            cfg.step_timeout_s, self.route_state.overlap_pays, self.metrics)
         self.pools = Pools(cfg, engines, separate, self.route_state, self.metrics)
         self._draft, self._target = draft, target
         self._created = schemas.now()
@@ -193,7 +194,8 @@ class Router:
             "inflight": self.admission.inflight, "active": dict(p.active), "engine_messages": p.engine_messages,
             "migrations": p.migrations, "down": sorted(p.down), "pools_lost": dict(p.lost),
             "background": len(sep.background) if sep else 0, "separate_aborted": sep.aborted if sep else 0,
-            "draft_failures": sep.draft_failures if sep else 0}}
+            "draft_failures": sep.draft_failures if sep else 0, "separate_steps": sep.steps if sep else 0,
+            "separate_overlap": dataclasses.asdict(sep.overlap) if sep else None}}
         for name, handle in p.engines.items():
             out[name] = await operators.engine_pool_stats(handle, p.replicas[name])
         if sep is not None:

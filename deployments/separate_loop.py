@@ -45,9 +45,12 @@ from deployments.metrics import RouterMetrics
 from deployments.session_router import pinned_gather
 from specdec_core import Proposal, RequestOutput, SamplingParams
 from specdec_core.request import RequestState, resumed_seed
+from specdec_core.stats import RequestStats
 
 logger = logging.getLogger("ray.serve")
 
+# (batch, K, the request's stats, its parameters, its context length) -> overlap its next round?
+OverlapPolicy = Callable[[int, int, RequestStats, SamplingParams, int], bool]
 DRAFT_RETRY_S = 5.0  # after a draft failure, separate requests decode plain this long before trying it again
 
 
@@ -77,12 +80,20 @@ class _Active:
     left: bool = False  # the client went away: leave at the next step boundary
     draft_used: bool = False
     draft_failed: bool = False
+    stream_interval_s: float | None = None  # as the engine replicas': None, one message at the end
     outbox: collections.deque = field(default_factory=collections.deque)  # RequestOutput, then maybe an error
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    sent_at: float = float("-inf")  # the first tokens go out at once (time to first token)
 
     def send(self, item: RequestOutput | BaseException) -> None:
+        """Queue a step's output for the client; wake it when the output is final or the stream
+        interval has passed (steps within an interval go out as one message, as the engine replicas')."""
         self.outbox.append(item)
-        self.ready.set()
+        now = time.perf_counter()
+        if (isinstance(item, BaseException) or item.finished
+                or (self.stream_interval_s is not None and now - self.sent_at >= self.stream_interval_s)):
+            self.sent_at = now
+            self.ready.set()
 
     def k(self, max_len: int, ahead: int = 0) -> int:
         """K for a proposal after the history and ``ahead`` more tokens (budget and context left)."""
@@ -97,12 +108,12 @@ class OverlapStats:
 
 class SeparateLoop:
     def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, tokenizer, eos_ids: set[int],
-                 max_model_len: int, step_timeout_s: float, overlap: bool, metrics: RouterMetrics):
+                 max_model_len: int, step_timeout_s: float, overlap_pays: OverlapPolicy, metrics: RouterMetrics):
         self._draft, self._target = draft, target
         self._tokenizer, self._eos_ids = tokenizer, eos_ids
         self._max_model_len = max_model_len
         self._step_timeout_s = step_timeout_s
-        self._overlap = overlap
+        self._overlap_pays = overlap_pays
         self._metrics = metrics
         self._batch: list[_Active] = []
         self._task: asyncio.Task | None = None
@@ -116,8 +127,8 @@ class SeparateLoop:
         self.background: set[asyncio.Task] = set()
 
     async def generate(self, request_id: str, prompt_ids: list[int], p: SamplingParams,
-                       resume: Resume | None = None) -> AsyncIterator[Delta]:
-        """One request's deltas. A resumed request (migrated here after its Target died, in an app
+                       stream_interval_s: float | None, resume: Resume | None = None) -> AsyncIterator[Delta]:
+        """One request's deltas, one per ``stream_interval_s`` (None: one at the end). A resumed request (migrated here after its Target died, in an app
         without engine pools) takes a session id of its own, since the dead one's was released, and
         a seed derived from (seed, tokens so far), as the engine's."""
         sid = request_id
@@ -128,7 +139,7 @@ class SeparateLoop:
         req = SeparateRequest(request_id, prompt_ids, p, self._tokenizer, self._eos_ids)
         if resume is not None:
             req.resume(resume.output_ids, resume.sent_chars)
-        a = _Active(req, sid)
+        a = _Active(req, sid, stream_interval_s=stream_interval_s)
         draft_up = p.num_speculative_tokens and time.monotonic() >= self._draft_down_until
         # Both replicas are looked up at once: the first proposal step finds its draft ready.
         target, _ = await asyncio.gather(self._connect(self._target, sid),
@@ -188,7 +199,7 @@ class SeparateLoop:
         fresh = await self._propose([(a, a.k(self._max_model_len)) for a in batch if self._wants_draft(a)])
         proposals = {a: a.proposal for a in batch if a.proposal is not None} | fresh
         ahead = [(a, a.k(self._max_model_len, len(prop.token_ids))) for a, prop in proposals.items()
-                 if self._overlap]
+                 if self._overlap_pays(len(batch), len(prop.token_ids), a.req.stats, a.req.params, len(a.req.tokens))]
         outcomes, optimistic = await asyncio.gather(self._verify(batch, proposals),
                                                     self._propose([x for x in ahead if x[1] > 0], proposals))
         self.overlap.proposed += len(optimistic)
@@ -198,7 +209,9 @@ class SeparateLoop:
             if isinstance(res, BaseException):
                 self._fail(a, res)
                 continue
-            a.prefilled = True
+            if not a.prefilled:
+                a.prefilled = True
+                a.req.stats.first_token_s = time.perf_counter() - a.req.arrival
             a.req.stats.record_verify(res.num_proposed, res.num_accepted)
             emitted = res.emitted
             if res.num_proposed and res.num_accepted == res.num_proposed and a in optimistic:
@@ -289,7 +302,7 @@ class SeparateLoop:
         """Look up the session's Draft replica and open its channel; on failure the request decodes plain."""
         try:
             a.draft = await self._connect(self._draft, a.session_id)
-        except Exception as exc:  # no draft: plain steps
+        except Exception as exc:  # noqa: BLE001 - whatever the lookup met, the request decodes plain
             self._draft_failed(a, exc)
 
     def _find_draft_later(self, a: _Active) -> None:

@@ -87,6 +87,8 @@ class StepCosts:
     has taken the cache. Measured here at batch 1: propose(K) ~ 0.45 + 0.85 K ms, so a cost
     per token fitted across K undercharged K=1 by ~5% of a step and overcharged K=8.
     hop_overhead_s: extra seconds per speculative step, by topology.
+    overlapped: the topologies whose draft can propose the next round while the target verifies
+    (the separate topology's loop, where that pays: ``CostModel.overlap_pays``).
     """
 
     batches: tuple[int, ...]
@@ -106,6 +108,7 @@ class StepCosts:
     context_slope_s: tuple[float, ...] = ()
     draft_context_slope_s: float = 0.0
     draft_step_s: tuple[float, ...] = ()
+    overlapped: tuple[str, ...] = ("separate",)
 
     def __post_init__(self) -> None:
         if list(self.batches) != sorted(set(self.batches)) or list(self.qs) != sorted(set(self.qs)):
@@ -165,6 +168,7 @@ class StepCosts:
             "context_slope_s": list(self.context_slope_s),
             "draft_context_slope_s": self.draft_context_slope_s,
             "draft_step_s": list(self.draft_step_s),
+            "overlapped": list(self.overlapped),
         }
 
     @classmethod
@@ -181,6 +185,7 @@ class StepCosts:
             context_slope_s=tuple(float(s) for s in d.get("context_slope_s", ())),
             draft_context_slope_s=float(d.get("draft_context_slope_s", 0.0)),
             draft_step_s=tuple(float(t) for t in d.get("draft_step_s", ())),
+            overlapped=tuple(d.get("overlapped", ("separate",))),
         )
 
 
@@ -299,9 +304,34 @@ class CostModel:
         return t
 
     def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
+        """Time per emitted token with K-token speculation: a step over E_K(a) tokens, or the
+        overlapped round where the topology overlaps and that is faster."""
         if k == 0:
             return self.plain_time_per_token(batch)
-        return self.spec_step_time(batch, k, topology) / expected_tokens_per_step(a, k)
+        sequential = self.spec_step_time(batch, k, topology) / expected_tokens_per_step(a, k)
+        if topology not in self.costs.overlapped:
+            return sequential
+        return min(sequential, self.overlapped_time_per_token(batch, k, a, topology))
+
+    def overlapped_time_per_token(self, batch: float, k: int, a: float, topology: str = "separate") -> float:
+        """PEARL's post-verify (``deployments/separate_loop.py``): the draft proposes round n+1 from
+        the optimistic context while the target verifies round n. A round costs max(D, V) + h, plus a
+        fresh proposal D before it when the previous round's overlapped proposal was dropped (the
+        target rejected one of its K tokens: probability 1 - a^K); a kept round emits its K tokens
+        without the bonus, so a round emits E_K(a) - a^K tokens."""
+        verify = self.costs.target_time(batch, k + 1)
+        draft = k * self.costs.draft_time(batch) + self.costs.draft_step_time(batch)
+        kept = a**k
+        t = max(draft, verify) + (1.0 - kept) * draft + self.costs.hop(topology)
+        if self.drift is not None:
+            t *= self.drift.factor(k, batch)
+        return t / (expected_tokens_per_step(a, k) - kept)
+
+    def overlap_pays(self, batch: float, k: int, a: float, topology: str = "separate") -> bool:
+        """Is the overlapped round faster per token than the sequential step? (It is not where the
+        draft's wasted rounds, 1 - a^K of them, cost more than the verify time they hide.)"""
+        return k > 0 and (self.overlapped_time_per_token(batch, k, a, topology)
+                          < self.spec_step_time(batch, k, topology) / expected_tokens_per_step(a, k))
 
     def best_k(
         self, batch: float, a: float, k_max: int = 8, topology: str = "colocated", allow_plain: bool = True
@@ -314,11 +344,8 @@ class CostModel:
             raise ValueError("k_max must be >= 1 when plain is not allowed")
         plain = self.plain_time_per_token(batch)
         best, best_time = (0, plain) if allow_plain else (None, float("inf"))
-        expected, power = 1.0, 1.0  # E_K(a) = 1 + a + ... + a^K, built up K by K
         for k in range(1, k_max + 1):
-            power *= a
-            expected += power
-            t = self.spec_step_time(batch, k, topology) / expected
+            t = self.spec_time_per_token(batch, k, a, topology)
             if t < best_time:
                 best, best_time = k, t
         return KChoice(k=best, time_per_token_s=best_time, predicted_speedup=plain / best_time)

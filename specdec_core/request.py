@@ -30,8 +30,9 @@ class SamplingParams:
     num_speculative_tokens: int = 0  # K; 0 = plain decoding; the upper bound of K when adaptive_k
     adaptive_k: bool = False  # re-choose K every step from the cost model and acceptance (engine needs one)
     domain: str = "default"  # traffic-class key for acceptance statistics (e.g. the OpenAI `user`)
-    # The router's acceptance estimate for the request's traffic class (served adaptive requests):
-    # adaptive K shrinks the request's own evidence towards it instead of the engine's own estimate.
+    # The router's acceptance estimate for the request's traffic class (served adaptive and separate
+    # requests): adaptive K, or the separate loop's overlap choice, shrinks the request's own evidence
+    # towards it instead of its own estimate.
     class_acceptance: float | None = None
 
     def validate(self) -> None:

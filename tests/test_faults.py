@@ -17,6 +17,7 @@ from test_serve_app import APP, MAX_LEN, PATHS, ROOT, _free_port, app_args, sse_
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT = [7, 3, 11, 5]
+STEP_TIMEOUT_S = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,9 @@ def server(tiny_models, tmp_path_factory):
 
     calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
     save_calibration(calibration, record(synthetic_costs(), tiny_models["target"], tiny_models["draft"], "cpu"))
-    args = {**app_args(tiny_models, calibration), "target_deployment": {"num_cpus": 0.1, "num_replicas": 1}}
+    # A long step timeout: a dead replica must be noticed by its closed channel, not by a step timing out.
+    args = {**app_args(tiny_models, calibration), "target_deployment": {"num_cpus": 0.1, "num_replicas": 1},
+            "step_timeout_s": STEP_TIMEOUT_S}
     port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -75,16 +78,21 @@ def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
     with httpx.Client(base_url=server["url"], timeout=300) as client:
         ref = client.post("/v1/completions", json=body).json()["choices"][0]
         before = router_stats(server)
-        events, ids, killed = [], [], 0
+        events, ids, killed, arrivals = [], [], 0, []
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for line in r.iter_lines():
                 for event in sse_events([line]):
                     events.append(event)
+                    arrivals.append(time.monotonic())
                     if event != "[DONE]" and event.get("choices"):
                         ids += event["choices"][0].get("token_ids") or []
                 if not killed and len(ids) >= 20:
                     killed = kill_replicas(deployment)
+                    killed_at = time.monotonic()
     assert killed == 1
+    if path == "separate":  # the dead replica's closed channel said so: no step waited for a timeout
+        gaps = [b - a for a, b in zip([killed_at] + arrivals, arrivals) if b >= killed_at]
+        assert max(gaps) < STEP_TIMEOUT_S / 2, max(gaps)
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), json.dumps(events[-3:])
     chunks = [e for e in events[:-1] if e["choices"]]
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ref["token_ids"]
@@ -92,6 +100,8 @@ def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
     after = router_stats(server)
     if deployment == "Draft":  # no migration: the rest of the request ran plain verify steps
         assert after["draft_failures"] == before["draft_failures"] + 1
+        wait_running()  # speculation resumes once the restarted Draft answers (after DRAFT_RETRY_S)
+        assert_speculates_again(server, body)
         return
     assert after["migrations"] == before["migrations"] + 1
     assert chunks[-1]["speculation"]["migrations"] == 1
@@ -115,3 +125,21 @@ def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
     while router_stats(server)["down"]:
         assert time.time() < deadline, "the restarted pool was never probed back up"
         time.sleep(0.5)
+    if path == "separate":  # the new Target replica's channel is found and used
+        assert_speculates_again(server, body)
+
+
+def assert_speculates_again(server, body: dict) -> None:
+    """A separate request, a few seconds after a replica restart, speculates on the separate pool
+    again with the fault-free output."""
+    with httpx.Client(base_url=server["url"], timeout=300) as client:
+        ref = client.post("/v1/completions", json={**body, "max_tokens": 24}).json()["choices"][0]["token_ids"]
+        deadline = time.time() + 60
+        while True:
+            out = client.post("/v1/completions", json={**body, "max_tokens": 24}).json()
+            spec = out["speculation"]
+            if spec["pool"] == "separate" and spec["proposed_tokens"] > 0:
+                break
+            assert time.time() < deadline, spec
+            time.sleep(1.0)
+    assert out["choices"][0]["token_ids"] == ref

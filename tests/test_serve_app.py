@@ -71,6 +71,10 @@ def app_args(models: dict, calibration_file: str | None = None) -> dict:
         "colocated": small,
         "draft_deployment": small,
         "target_deployment": {"num_cpus": 0.1, "num_replicas": 2},
+        # Every separate round overlaps the next proposal with its verify where it can (the synthetic
+        # costs would never let `auto` overlap: their verify dwarfs the draft), so every separate
+        # test runs the overlapped path; each rejection still sends a round through the sequential one.
+        "separate_overlap": "always",
     }
 
 
@@ -374,6 +378,41 @@ def test_sampled_output_follows_the_target_distribution_on_every_path(server):
                               minlength=exact.numel()) / n
         tv = 0.5 * (hist - exact).abs().sum().item()
         assert tv < 2 * expected_tv(exact, n), (name, tv, expected_tv(exact, n))
+
+
+def test_separate_requests_share_steps_and_join_and_leave(server):
+    """Separate requests of different lengths, each starting while others run: every output equals
+    the request's output alone, and the Target replicas ran them in shared steps (fewer step
+    messages than the requests' steps alone, more than one session in a step)."""
+    jobs = [(f"Separate {i}: it is a truth", 6 + 5 * i) for i in range(8)]
+
+    def target_steps() -> int:
+        return sum(r["batches"] for r in stats(server)["target"])
+
+    async def run(concurrent: bool):
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            async def one(i, prompt, n):
+                if concurrent:
+                    await asyncio.sleep(0.05 * i)  # join while the others run
+                r = await ac.post("/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "speculation": SEPARATE})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            if concurrent:
+                return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(jobs)))
+            return [await one(i, p, n) for i, (p, n) in enumerate(jobs)]
+
+    t0 = target_steps()
+    alone = asyncio.run(run(False))
+    t1 = target_steps()
+    together = asyncio.run(run(True))
+    t2 = target_steps()
+    assert together == alone
+    assert [len(o) for o in alone] == [n for _, n in jobs]
+    assert t2 - t1 < t1 - t0, (t1 - t0, t2 - t1)
+    assert max(r["max_batch"] for r in stats(server)["target"]) > 1
+    wait_idle(server)
 
 
 def test_sampling_seeded_reproducible(client):
