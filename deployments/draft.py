@@ -37,7 +37,7 @@ class Draft(StepReplica):
         self._generators: dict[str, torch.Generator | None] = {}
         self._max_batch = 0
         self._fail_next = 0
-        super().__init__("Draft")
+        super().__init__()
         logger.info("Draft ready: %s slots=%d", cfg.draft, runner.num_slots)
 
     def _run_step(self, items: list[tuple[ProposeStepItem, list[int], SamplingParams]]) -> list:

@@ -6,9 +6,9 @@
 Starts a local cluster and the app, sends greedy streamed requests with a fixed K one at a time to
 each path (plain, co-located, separate), and times decoding at the client: from the first chunk (the
 prefill's) to the last, per token after the first. Each request's final chunk says how many steps it
-took. Greedy output and K are the same on both speculative paths, so without overlap
-(``--no-overlap``) they take the same steps: the separate topology's per-step orchestration overhead
-is the difference in time per token times its tokens per step. With overlap (the default) the
+took. Greedy output and K are the same on both speculative paths, so without overlap (the default,
+``--overlap never``) they take the same steps: the separate topology's per-step orchestration
+overhead is the difference in time per token times its tokens per step. With overlap the
 difference also holds the draft time that overlap hides. Also times a bare handle call (driver ->
 Target replica) for reference, and reports the router's overlap counters.
 """
@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--requests", type=int, default=3)
-    ap.add_argument("--no-overlap", action="store_true", help="separate_overlap: false")
+    ap.add_argument("--overlap", choices=("auto", "always", "never"), default="never",
+                    help="separate_overlap (default never: the orchestration overhead alone)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -69,7 +70,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        extra = {"separate_overlap": not args.no_overlap}
+        extra = {"separate_overlap": args.overlap}
         serve.run(build_app({**models, **extra, "max_model_len": 512, "router": {"num_cpus": 0.1},
                              "plain": {"num_cpus": 0.1}, "colocated": {"num_cpus": 0.1},
                              "draft_deployment": {"num_cpus": 0.1}, "target_deployment": {"num_cpus": 0.1}}),
@@ -120,7 +121,7 @@ def main() -> None:
         results["separate_overlap_rounds"] = router["separate_overlap"]
         results["models"] = models
         results["k"] = args.k
-        results["separate_overlap"] = not args.no_overlap
+        results["separate_overlap"] = args.overlap
         print(json.dumps(results, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))

@@ -48,7 +48,7 @@ class Target(StepReplica):
         self._max_batch = 0
         self._batches = 0
         self._opened = 0
-        super().__init__("Target")
+        super().__init__()
         logger.info("Target ready: %s slots=%d", cfg.target, runner.num_slots)
 
     def _run_step(self, items: list[tuple[VerifyStepItem, list[int], SamplingParams]]) -> list:

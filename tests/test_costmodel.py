@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -101,6 +102,32 @@ def test_cost_ratio_and_hops():
     assert cm.spec_step_time(1, 2, "separate") - cm.spec_step_time(1, 2, "colocated") == pytest.approx(0.016)
     with pytest.raises(ValueError):
         cm.spec_step_time(1, 2, "teleport")
+
+
+def test_overlapped_round_priced_by_hand():
+    """PEARL's post-verify in Theorem 3.8's world: draft D = K c, verify V = 1 s, hop h. A round
+    costs max(D, V) + (1 - a^K) D + h and emits E_K(a) - a^K tokens (a kept round drops its bonus)."""
+    a, k, c, h = 0.8, 4, 0.25, 0.1
+    cm = CostModel(leviathan_costs(c, hop=h))
+    d, kept, e = k * c, a**k, expected_tokens_per_step(a, k)
+    overlapped = (max(d, 1.0) + (1 - kept) * d + h) / (e - kept)
+    sequential = (d + 1.0 + h) / e
+    assert cm.overlapped_time_per_token(1, k, a) == pytest.approx(overlapped)
+    assert cm.overlap_pays(1, k, a) == (overlapped < sequential)
+    assert cm.spec_time_per_token(1, k, a, "separate") == pytest.approx(min(overlapped, sequential))
+    assert cm.spec_time_per_token(1, k, a, "colocated") == pytest.approx((d + 1.0) / e)  # no overlap there
+    never = CostModel(replace(leviathan_costs(c, hop=h), overlapped=()))
+    assert never.spec_time_per_token(1, k, a, "separate") == pytest.approx(sequential)
+
+
+def test_overlap_pays_only_for_a_costly_draft_whose_proposals_are_accepted_whole():
+    assert CostModel(leviathan_costs(0.25)).overlap_pays(1, 4, 0.9)  # D = V: the round hides the draft
+    # low acceptance: most overlapped proposals are dropped, and their draft time delays the next round
+    assert not CostModel(leviathan_costs(0.5)).overlap_pays(1, 4, 0.3)
+    # a cheap draft has little to hide, and a kept round gives up its bonus token
+    assert not CostModel(leviathan_costs(0.01)).overlap_pays(1, 4, 0.9)
+    # K = 1: an overlapped round emits one token whatever happens
+    assert not CostModel(leviathan_costs(0.25)).overlap_pays(1, 1, 0.99)
 
 
 def test_interpolation_and_extrapolation():

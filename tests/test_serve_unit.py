@@ -269,6 +269,9 @@ def test_separate_request_stopping_rules():
     assert r.delta().token_ids == [2]
     assert r.budget_k(4, max_len=100) == 4
     assert r.budget_k(9, max_len=6) == 1  # 5 tokens held, room for 1 draft token
+    # an overlapped round's proposal follows 4 tokens not yet committed: 3 of the 7 left, room for 2
+    assert r.budget_k(4, max_len=100, ahead=4) == 2
+    assert r.budget_k(9, max_len=8, ahead=2) == 1  # 5 held + 2 ahead: room for 1
     r2 = _req(max_new_tokens=2)
     r2.commit([0])
     assert r2.budget_k(4, max_len=100) == 0  # one token left: a plain step emits it
