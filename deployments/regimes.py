@@ -81,7 +81,7 @@ class Route:
     decision: RoutingDecision
     pool: str  # the deployed pool that runs it (plain decoding falls back to a spec pool with K=0)
     batch: int  # per-replica batch the request joins (for the realised speedup)
-    adaptive: bool  # auto-mode speculation: the replica re-chooses K <= decision.k every step
+    adaptive: bool  # auto-mode speculation: the replica (or the separate loop) re-chooses K <= decision.k every step
     traffic_class: TrafficClass
     probe: bool = False  # an exploration probe: fixed K, so that every step judges draft tokens
 
@@ -139,16 +139,24 @@ class RouteState:
     def cost_model(self, greedy: bool = True, context_len: int = 0) -> CostModel:
         return self.view.model(greedy, context_len)
 
-    def overlap_pays(self, batch: int, k: int, stats: RequestStats, params: SamplingParams, context_len: int) -> bool:
-        """Should the separate loop overlap this request's next round (``CostModel.overlap_pays``)? Its
-        acceptance: its own judged tokens shrunk towards its class's estimate, as adaptive K's."""
-        if self.separate_overlap != "auto":
-            return k > 0 and self.separate_overlap == "always"
+    def separate_round(self, batch: int, stats: RequestStats, params: SamplingParams, context_len: int
+                       ) -> tuple[int, bool]:
+        """The separate loop's choice for a request's next round at this batch: K (an adaptive request
+        the best K up to its own, priced for the separate topology; others their own K) and whether
+        the Draft proposes the round after it during this one's verify (``CostModel.overlap_pays``,
+        or as config ``separate_overlap`` forces). Acceptance: the request's own judged tokens shrunk
+        towards its class's estimate, as adaptive K's in an engine."""
+        k = params.num_speculative_tokens
+        if k == 0 or (self.separate_overlap != "auto" and not (params.adaptive_k and k > 1)):
+            return k, k > 0 and self.separate_overlap == "always"
         prior = self.tracker.prior_weight
-        judged = sum(stats.proposed_per_position)
         class_a = params.class_acceptance if params.class_acceptance is not None else self.tracker.prior_mean
-        a = (stats.accepted + prior * class_a) / (judged + prior)
-        return self.cost_model(params.temperature <= 0, context_len).overlap_pays(batch, k, a)
+        a = (stats.accepted + prior * class_a) / (sum(stats.proposed_per_position) + prior)
+        model = self.cost_model(params.temperature <= 0, context_len)
+        if params.adaptive_k and k > 1:
+            k = model.best_k(batch, a, k, "separate", allow_plain=False).k
+        overlap = self.separate_overlap == "always" or (self.separate_overlap == "auto" and model.overlap_pays(batch, k, a))
+        return k, overlap
 
     @property
     def calibrated(self) -> bool:
@@ -205,7 +213,7 @@ class RouteState:
             if pool is None:
                 raise RoutingError("no pool is deployed")
         # Adaptive K runs inside a co-located replica's engine; the separate loop keeps the chosen K.
-        adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool == "colocated"
+        adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in ("colocated", "separate")
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 
     # ---- feedback ------------------------------------------------------------------------------

@@ -49,8 +49,8 @@ from specdec_core.stats import RequestStats
 
 logger = logging.getLogger("ray.serve")
 
-# (batch, K, the request's stats, its parameters, its context length) -> overlap its next round?
-OverlapPolicy = Callable[[int, int, RequestStats, SamplingParams, int], bool]
+# (batch, the request's stats, its parameters, its context length) -> (K of its next round, overlap it?)
+RoundPolicy = Callable[[int, RequestStats, SamplingParams, int], tuple[int, bool]]
 DRAFT_RETRY_S = 5.0  # after a draft failure, separate requests decode plain this long before trying it again
 
 
@@ -76,6 +76,8 @@ class _Active:
     draft: Channel | None = None  # None until found, and after a draft failure
     draft_lookup: asyncio.Task | None = None
     proposal: Proposal | None = None  # the overlapped proposal for the next verify
+    round_k: int = 0  # K of this round (adaptive requests: re-chosen every round)
+    overlap: bool = False  # propose the next round during this round's verify
     prefilled: bool = False
     left: bool = False  # the client went away: leave at the next step boundary
     draft_used: bool = False
@@ -96,8 +98,8 @@ class _Active:
             self.ready.set()
 
     def k(self, max_len: int, ahead: int = 0) -> int:
-        """K for a proposal after the history and ``ahead`` more tokens (budget and context left)."""
-        return self.req.budget_k(self.req.params.num_speculative_tokens, max_len, ahead)
+        """This round's K for a proposal after the history and ``ahead`` more tokens (budget and context left)."""
+        return self.req.budget_k(self.round_k, max_len, ahead)
 
 
 @dataclass
@@ -108,12 +110,12 @@ class OverlapStats:
 
 class SeparateLoop:
     def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, tokenizer, eos_ids: set[int],
-                 max_model_len: int, step_timeout_s: float, overlap_pays: OverlapPolicy, metrics: RouterMetrics):
+                 max_model_len: int, step_timeout_s: float, round_policy: RoundPolicy, metrics: RouterMetrics):
         self._draft, self._target = draft, target
         self._tokenizer, self._eos_ids = tokenizer, eos_ids
         self._max_model_len = max_model_len
         self._step_timeout_s = step_timeout_s
-        self._overlap_pays = overlap_pays
+        self._round_policy = round_policy
         self._metrics = metrics
         self._batch: list[_Active] = []
         self._task: asyncio.Task | None = None
@@ -196,10 +198,11 @@ class SeparateLoop:
 
     async def _step(self, batch: list[_Active]) -> None:
         self.steps += 1
+        for a in batch:
+            a.round_k, a.overlap = self._round_policy(len(batch), a.req.stats, a.req.params, len(a.req.tokens))
         fresh = await self._propose([(a, a.k(self._max_model_len)) for a in batch if self._wants_draft(a)])
         proposals = {a: a.proposal for a in batch if a.proposal is not None} | fresh
-        ahead = [(a, a.k(self._max_model_len, len(prop.token_ids))) for a, prop in proposals.items()
-                 if self._overlap_pays(len(batch), len(prop.token_ids), a.req.stats, a.req.params, len(a.req.tokens))]
+        ahead = [(a, a.k(self._max_model_len, len(prop.token_ids))) for a, prop in proposals.items() if a.overlap]
         outcomes, optimistic = await asyncio.gather(self._verify(batch, proposals),
                                                     self._propose([x for x in ahead if x[1] > 0], proposals))
         self.overlap.proposed += len(optimistic)

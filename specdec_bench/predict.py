@@ -18,10 +18,10 @@ Vocabulary: a is the per-token acceptance rate, tau = E_K(a) the mean tokens a t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specdec_core.costmodel import CostModel, expected_tokens_per_step
+from specdec_core.costmodel import CostModel, StepCosts, expected_tokens_per_step
 from specdec_core.roofline import (
     DEVICES,
     H100,
@@ -130,7 +130,7 @@ def run_predict(args) -> dict:
             costs = roofline_costs(load_shape(target), load_shape(draft), device, BATCHES, range(1, K_MAX + 2),
                                    context_len=args.context, tp=tp)
             scenarios.append({"name": f"{device.name} {pair}", "device": device.name, "pair": pair, "tp": tp,
-                              **_regime_map(CostModel(costs), k)})
+                              **_regime_map(CostModel(costs), k), "topologies": _topologies(costs)})
     return {"batches": list(BATCHES), "acceptances": list(ACCEPTANCES), "context_len": args.context, "k": k,
             "scenarios": scenarios}
 
@@ -146,6 +146,29 @@ def _regime_map(model: CostModel, k: int) -> dict:
     return {"speedup": grid, "best_k": ks, "fixed_k_speedup": fixed,
             "draft_share": [round(_draft_share(model, b, k), 3) for b in BATCHES],
             "break_even_batch": break_even, "cost_ratio_b1": model.cost_ratio(1)}
+
+
+TOPOLOGY_BATCHES = (1, 8, 32)
+TOPOLOGY_ACCEPTANCES = (0.6, 0.8, 0.9)
+
+
+def _topologies(costs: StepCosts) -> list[dict]:
+    """Best-K speedup over plain per topology: co-located, separate without overlap (its per-step
+    orchestration overhead, ``SEPARATE_HOP_S`` as measured here, added to every step) and separate
+    with the draft's next round overlapped with the verify where that pays (then a^K of the
+    overlapped proposals are kept)."""
+    overlapped, sequential = CostModel(costs), CostModel(replace(costs, overlapped=()))
+    rows = []
+    for b in TOPOLOGY_BATCHES:
+        for a in TOPOLOGY_ACCEPTANCES:
+            col = overlapped.best_k(b, a, K_MAX, "colocated")
+            seq = sequential.best_k(b, a, K_MAX, "separate")
+            ovl = overlapped.best_k(b, a, K_MAX, "separate")
+            rows.append({"batch": b, "acceptance": a, "colocated": round(col.predicted_speedup, 3),
+                         "colocated_k": col.k, "separate": round(seq.predicted_speedup, 3), "separate_k": seq.k,
+                         "separate_overlapped": round(ovl.predicted_speedup, 3), "overlapped_k": ovl.k,
+                         "overlap_pays": bool(ovl.k) and overlapped.overlap_pays(b, ovl.k, a)})
+    return rows
 
 
 def predict_markdown(data: dict) -> str:
@@ -166,6 +189,15 @@ def predict_markdown(data: dict) -> str:
                   + ", ".join(f"b={b}: {v:.0%}" for b, v in zip(batches, s["draft_share"])),
                   "", "Break-even batch (first batch where plain wins): "
                   + ", ".join(f"a={a}: {b}" for a, b in s["break_even_batch"].items()), ""]
+        lines += [("Topologies (best K; separate: + the measured per-step orchestration overhead; overlapped: the "
+                   "draft's next round during the verify where that pays; rounds kept: a^K of those overlapped):"), "",
+                  "| batch | a | co-located | separate | separate, overlapped | rounds kept |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['acceptance']} | {r['colocated']:.2f} (K={r['colocated_k']}) | "
+                  f"{r['separate']:.2f} (K={r['separate_k']}) | {r['separate_overlapped']:.2f} (K={r['overlapped_k']}"
+                  f"{', overlap' if r['overlap_pays'] else ''}) | "
+                  f"{r['acceptance'] ** r['overlapped_k'] if r['overlap_pays'] else 0:.0%} |" for r in s["topologies"]]
+        lines += [""]
     return "\n".join(lines) + "\n"
 
 

@@ -34,11 +34,11 @@ from typing import Any
 
 TOPOLOGIES = ("colocated", "separate")
 
-# Per-step overhead of the separate topology's two Ray hops (Draft.propose, Target.verify): its step
-# time minus the co-located one at batch 1, 13-15 ms on the CPU machine (`python -m
-# deployments.measure_hops`, docs/ARCHITECTURE.md Facts). Its one home: the serving config's
-# `separate_hop_overhead_s` defaults to it.
-SEPARATE_HOP_S = 14e-3
+# Per-step orchestration overhead of the separate topology (a propose and a verify message over the
+# direct channels, deployments/channel.py): its time per step minus the co-located one at batch 1,
+# 1.6-2.2 ms on the CPU machine (`python -m deployments.measure_hops`; 13-15 ms over two Serve handle
+# calls before). Its one home: the serving config's `separate_hop_overhead_s` defaults to it.
+SEPARATE_HOP_S = 2e-3
 DEFAULT_HOP_OVERHEAD_S: Mapping[str, float] = {"colocated": 0.0, "separate": SEPARATE_HOP_S}
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)

@@ -106,3 +106,18 @@ def test_fixed_k_shows_the_slowdown_best_k_hides(capsys):
     bf16 = _one(capsys, "--batch", "256", "--k", "3", "--acceptance", "0.5", "--tp", "2")
     fp8 = _one(capsys, "--batch", "256", "--k", "3", "--acceptance", "0.5", "--tp", "2", "--dtype", "fp8")
     assert fp8["plain_step_s"] < bf16["plain_step_s"]
+
+
+def test_topologies_price_the_separate_overhead_and_the_overlap():
+    """The regime map's topology table: the separate topology pays its measured per-step overhead
+    on the co-located steps, and overlap can only lower its time (the loop overlaps where it pays)."""
+    from argparse import Namespace
+
+    from specdec_bench.predict import predict_markdown, run_predict
+
+    data = run_predict(Namespace(k=None, context=1024))
+    rows = [r for s in data["scenarios"] for r in s["topologies"]]
+    assert all(r["separate"] <= r["colocated"] + 1e-9 for r in rows)
+    assert all(r["separate_overlapped"] >= r["separate"] - 1e-9 for r in rows)
+    assert any(r["overlap_pays"] and r["separate_overlapped"] > r["separate"] for r in rows)
+    assert "| batch | a | co-located | separate | separate, overlapped | rounds kept |" in predict_markdown(data)

@@ -507,7 +507,7 @@ def test_regimes_endpoint(client):
     complete(client, user="regime-map")  # 24 tokens: enough decode steps to speculate
     m = client.get("/v1/regimes").json()
     assert set(m) >= {"draft", "costs", "k_max", "pools", "classes"}
-    assert m["costs"]["calibrated"] and m["costs"]["hop_overhead_s"]["separate"] == pytest.approx(0.014)
+    assert m["costs"]["calibrated"] and m["costs"]["hop_overhead_s"]["separate"] == pytest.approx(0.002)
     assert isinstance(m["costs"]["drift"], dict)
     assert set(m["pools"]) == {"plain", "colocated", "separate"}
     assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity"}

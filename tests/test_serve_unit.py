@@ -60,7 +60,7 @@ def test_glue_context_from_loads_tracker_costs():
     assert set(ctx.cost_models) == {"colocated"}  # only deployed spec pools are priced
     assert ctx.acceptance == pytest.approx(st.tracker.estimate(cls)) and ctx.evidence == pytest.approx(100)
     assert ctx.loads["colocated"].joined_batch() == 4 and ctx.k_max == 8 and ctx.context_limit == 512
-    assert ctx.cost_models["colocated"].costs.hop("separate") == pytest.approx(0.014)  # measured hops added
+    assert ctx.cost_models["colocated"].costs.hop("separate") == pytest.approx(0.002)  # measured hops added
     # explicit speculation without K takes default_k
     assert st.features(temperature=0.0, top_p=1.0, max_tokens=8, prompt_tokens=1, mode="speculative", k=None,
                        topology=None, objective="latency", cls=cls).k == 4
@@ -337,3 +337,31 @@ def test_served_step_times_correct_the_routing():
     assert (r.pool, r.decision.regime) == ("colocated", "favorable") and r.decision.predicted_speedup > 1.2
     st.set_costs(_compute_bound_costs(), "recalibrated")  # new costs: what was learnt is dropped
     assert route(loads, state=st).pool == "plain"
+
+
+def test_separate_round_chooses_k_and_overlap_from_the_cost_model():
+    """The separate loop's choice per round, in Theorem 3.8's world (a verify costs one plain step,
+    1 s; a draft forward c s): overlap where the draft is as costly as the verify and acceptance is
+    high, not where most overlapped proposals would be dropped; an adaptive request's best K."""
+    from specdec_core.costmodel import CostModel
+    from specdec_core.stats import RequestStats
+
+    def costs(c):
+        return StepCosts((1, 64), (1, 9), ((1.0, 1.0), (1.0, 1.0)), (c, c), source="leviathan")
+
+    fresh = RequestStats()
+    high, low = (SamplingParams(num_speculative_tokens=4, class_acceptance=a) for a in (0.9, 0.3))
+    st = _state(costs=costs(0.25))
+    assert st.separate_round(1, fresh, high, 64) == (4, True)  # D = V = 1 s
+    assert _state(costs=costs(0.5)).separate_round(1, fresh, low, 64) == (4, False)
+    # the request's own evidence outweighs its class: 400 judged draft tokens, 120 accepted
+    poor = RequestStats(accepted=120, proposed_per_position=[100, 100, 100, 100])
+    costly = _state(costs=costs(0.3))
+    assert costly.separate_round(1, fresh, high, 64) == (4, True)
+    assert costly.separate_round(1, poor, high, 64) == (4, False)
+    adaptive = SamplingParams(num_speculative_tokens=8, adaptive_k=True, class_acceptance=0.9)
+    want = CostModel(st.costs).best_k(1, 0.9, 8, "separate", allow_plain=False).k
+    assert st.separate_round(1, fresh, adaptive, 64)[0] == want and 1 <= want < 8
+    assert _state(costs=costs(0.25), separate_overlap="never").separate_round(1, fresh, high, 64) == (4, False)
+    assert _state(costs=costs(0.5), separate_overlap="always").separate_round(1, fresh, low, 64) == (4, True)
+    assert st.separate_round(1, fresh, SamplingParams(), 64) == (0, False)
