@@ -16,7 +16,10 @@ already proposes the next round O from the optimistic context history + P. If th
 all of P, the step commits P without its bonus token and O is the next round's proposal, whose
 first token the next verify judges against the same target distribution the bonus would have been
 drawn from: lossless, and the draft's time hides behind the verify. Otherwise the step commits as
-usual and O is dropped (the Draft's cache reconciles against the next context).
+usual and O is dropped (the Draft's cache reconciles against the next context). Each round,
+``round_policy`` (the router's ``RouteState.separate_round``) gives a request its K (an adaptive one's
+re-chosen from the cost model) and whether to overlap it: where the kept rounds hide more draft time
+than the dropped ones cost.
 
 Faults: a draft that fails or does not answer within ``step_timeout_s`` (a dead Draft closes its
 channel: at once) turns its requests' steps plain, and every separate request decodes plain for
@@ -130,9 +133,10 @@ class SeparateLoop:
 
     async def generate(self, request_id: str, prompt_ids: list[int], p: SamplingParams,
                        stream_interval_s: float | None, resume: Resume | None = None) -> AsyncIterator[Delta]:
-        """One request's deltas, one per ``stream_interval_s`` (None: one at the end). A resumed request (migrated here after its Target died, in an app
-        without engine pools) takes a session id of its own, since the dead one's was released, and
-        a seed derived from (seed, tokens so far), as the engine's."""
+        """One request's deltas, one per ``stream_interval_s`` (None: one at the end). A resumed
+        request (migrated here after its Target died, in an app without engine pools) takes a
+        session id of its own, since the dead one's was released, and a seed derived from (seed,
+        tokens so far), as the engine's."""
         sid = request_id
         if resume is not None:
             sid = f"{request_id}~{len(resume.output_ids)}"
