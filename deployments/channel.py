@@ -59,11 +59,16 @@ def _frame(obj: Any) -> bytes:
 
 
 class ChannelServer:
-    """The replica's end: runs ``handlers[method](argument)`` for every call, concurrently."""
+    """The replica's end: runs ``handlers[method](argument, peer)`` for every call, concurrently;
+    ``peer`` numbers the connection, and ``on_close(peer)`` runs when it closes (its owner died or
+    let go of it)."""
 
-    def __init__(self, replica: str, handlers: dict[str, Callable[[Any], Awaitable[Any]]]):
+    def __init__(self, replica: str, handlers: dict[str, Callable[[Any, int], Awaitable[Any]]],
+                 on_close: Callable[[int], None] = lambda peer: None):
         self._replica = replica
         self._handlers = handlers
+        self._on_close = on_close
+        self._peers = itertools.count()
         self._token = secrets.token_hex(16)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -76,23 +81,25 @@ class ChannelServer:
         return ChannelAddress(self._replica, host, port, self._token)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = next(self._peers)
         try:
             if await _read_frame(reader) != self._token:
                 logger.warning("channel: a connection without the token was closed")
                 return
             while True:
                 call_id, method, arg = await _read_frame(reader)
-                task = asyncio.get_running_loop().create_task(self._answer(writer, call_id, method, arg))
+                task = asyncio.get_running_loop().create_task(self._answer(writer, peer, call_id, method, arg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the loop's owner closed the connection
         finally:
             writer.close()
+            self._on_close(peer)
 
-    async def _answer(self, writer: asyncio.StreamWriter, call_id: int, method: str, arg: Any) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, peer: int, call_id: int, method: str, arg: Any) -> None:
         try:
-            reply = (call_id, True, await self._handlers[method](arg))
+            reply = (call_id, True, await self._handlers[method](arg, peer))
         except Exception as exc:  # the caller gets the failure, the channel lives on
             logger.exception("channel call %s failed", method)
             reply = (call_id, False, f"{type(exc).__name__}: {exc}")

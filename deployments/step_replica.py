@@ -15,6 +15,7 @@ next message only after this one's answer, and the two thread handoffs per call 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
@@ -22,6 +23,8 @@ import torch
 from ray import serve
 
 from deployments.channel import ChannelAddress, ChannelServer
+
+logger = logging.getLogger("ray.serve")
 from deployments.contexts import ReplicaContexts
 from deployments.messages import ItemFailed, Resync, SessionContext
 from specdec_core import SamplingParams
@@ -69,14 +72,17 @@ class StepReplica:
     def __init__(self):
         self._contexts = ReplicaContexts()
         self._released = Tombstones()
-        self._server = ChannelServer(self._replica_id(), {"step": self._step, "release": self._release})
+        self._sessions_of: dict[int, set[str]] = {}  # channel peer -> the sessions its steps opened
+        self._server = ChannelServer(self._replica_id(), {"step": self._step, "release": self._release},
+                                     on_close=self._peer_gone)
 
     async def channel(self) -> ChannelAddress:
         """Where the loop's owner sends this replica's steps (a session-pinned call reaches it)."""
         return await self._server.address(ray.util.get_node_ip_address())
 
-    async def _step(self, items: list) -> list:
+    async def _step(self, items: list, peer: int) -> list:
         results: list[Any] = [None] * len(items)
+        self._sessions_of.setdefault(peer, set()).update(item.context.session_id for item in items)
         runnable = []  # (index, item, full context, params)
         for i, item in enumerate(items):
             ctx: SessionContext = item.context
@@ -100,7 +106,19 @@ class StepReplica:
         """Free the session's model state; whether it held any."""
         raise NotImplementedError
 
-    async def _release(self, session_ids: list[str]) -> int:
+    async def _release(self, session_ids: list[str], peer: int) -> int:
+        self._sessions_of.get(peer, set()).difference_update(session_ids)
+        return self._release_all(session_ids)
+
+    def _peer_gone(self, peer: int) -> None:
+        """The loop's owner closed its channel (a Router that died, or restarted): nobody will
+        release the sessions its steps opened here, so they are released now."""
+        orphans = self._sessions_of.pop(peer, set())
+        if orphans:
+            logger.warning("channel peer %d closed holding %d session(s): released", peer, len(orphans))
+            self._release_all(sorted(orphans))
+
+    def _release_all(self, session_ids: list[str]) -> int:
         held = 0
         for sid in session_ids:
             held += self._drop(sid)

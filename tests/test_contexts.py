@@ -74,7 +74,7 @@ async def _serve(handlers):
 
 def test_channel_answers_concurrent_calls_out_of_order():
     async def main():
-        async def slow_echo(x):
+        async def slow_echo(x, _peer):
             await asyncio.sleep(x)
             return x
 
@@ -89,10 +89,10 @@ def test_channel_answers_concurrent_calls_out_of_order():
 
 def test_channel_reports_a_failed_call_and_stays_open():
     async def main():
-        async def boom(_):
+        async def boom(_, _peer):
             raise ValueError("bad item")
 
-        async def ok(x):
+        async def ok(x, _peer):
             return x + 1
 
         _, addr = await _serve({"boom": boom, "ok": ok})
@@ -108,7 +108,7 @@ def _replica_process(conn) -> None:
     """A replica process: a channel whose one method never answers."""
 
     async def main():
-        async def hang(_):
+        async def hang(_, _peer):
             await asyncio.Event().wait()
 
         conn.send(await ChannelServer("replica-1", {"hang": hang}).address("127.0.0.1"))
@@ -147,9 +147,33 @@ def test_a_dead_replica_fails_calls_in_flight_at_once():
         proc.join()
 
 
+def test_the_replica_hears_when_a_connection_closes():
+    """A loop's owner that goes away (closes, or dies with, its connection) is reported to the
+    replica by its connection's number, the one its calls came with."""
+
+    async def main():
+        seen, closed = [], asyncio.Event()
+
+        async def hello(_, peer):
+            seen.append(peer)
+
+        def on_close(peer):
+            seen.append(("closed", peer))
+            closed.set()
+
+        addr = await ChannelServer("replica-1", {"hello": hello}, on_close).address("127.0.0.1")
+        ch = await Channel.open(addr)
+        await ch.call("hello", None, 5.0)
+        ch.close()
+        await asyncio.wait_for(closed.wait(), 5.0)
+        assert seen == [seen[0], ("closed", seen[0])]
+
+    _run(main())
+
+
 def test_a_call_not_answered_in_time_closes_the_channel():
     async def main():
-        async def hang(_):
+        async def hang(_, _peer):
             await asyncio.sleep(30)
 
         _, addr = await _serve({"hang": hang})
@@ -163,7 +187,7 @@ def test_a_call_not_answered_in_time_closes_the_channel():
 
 def test_a_connection_without_the_token_is_closed():
     async def main():
-        async def ok(x):
+        async def ok(x, _peer):
             return x
 
         _, addr = await _serve({"ok": ok})

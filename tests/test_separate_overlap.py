@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import httpx
 import pytest
@@ -31,7 +32,7 @@ def server(tiny_models, noisy_draft):
 
     small = {"num_cpus": 0.1}
     args = {"target": tiny_models["target"], "draft": noisy_draft, "model_name": "tiny", "max_model_len": 128,
-            "separate_overlap": "always", "router": small, "draft_deployment": small, "target_deployment": small,
+            "separate_overlap": "always", "acceptance_prior": 0.9, "traffic_class_promote_after": 1, "router": small, "draft_deployment": small, "target_deployment": small,
             "plain": {"num_replicas": 0}, "colocated": {"num_replicas": 0}}
     port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -98,3 +99,56 @@ def test_overlapped_greedy_equals_the_target_greedy(server, tiny_models):
     outs = sample(server, 4, 3, 40, temperature=0.0)
     assert all(o["choices"][0]["token_ids"] == want for o in outs), ([o["choices"][0]["token_ids"] for o in outs], want)
     assert overlap_counters(server)["kept"] > before["kept"]
+
+
+def test_auto_requests_run_adaptive_k_in_the_separate_loop(server, tiny_models):
+    """mode=auto on an app whose only speculative pool is the separate topology: a request of a
+    fresh traffic class (the app's prior: acceptance 0.9) runs there with adaptive K (re-chosen each
+    round from the cost model) and its greedy output is the target's own."""
+    from transformers import AutoModelForCausalLM
+
+    model, want = AutoModelForCausalLM.from_pretrained(tiny_models["target"]), []
+    with torch.no_grad():
+        for _ in range(24):
+            want.append(int(model(torch.tensor([PROMPT + want])).logits[0, -1].argmax()))
+    with httpx.Client(base_url=server["url"], timeout=120) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True, "user": "auto-test",
+                                                 "speculation": {"mode": "auto"}})
+    assert r.status_code == 200, r.text
+    spec = r.json()["speculation"]
+    assert (spec["pool"], spec["adaptive_k"]) == ("separate", True), spec
+    assert spec["proposed_tokens"] > 0 and r.json()["choices"][0]["token_ids"] == want
+
+
+def test_sessions_of_a_router_that_is_gone_are_released(server):
+    """A channel's owner (a Router) that dies cannot release its sessions: the Target releases the
+    sessions a closed channel's steps opened. Here a stand-in owner opens a session over the Target's
+    channel, as the Router's loop does, then goes away."""
+    from ray import serve
+
+    from deployments.channel import Channel
+    from deployments.messages import SessionContext, VerifyStepItem
+    from specdec_core import SamplingParams
+
+    target = serve.get_deployment_handle("Target", APP)
+
+    def sessions() -> int:
+        return target.options(session_id="probe").stats.remote().result(timeout_s=30).sessions
+
+    address = target.options(session_id="orphan").channel.remote().result(timeout_s=30)
+    before = sessions()
+
+    async def open_and_leave():
+        ch = await Channel.open(address)
+        item = VerifyStepItem(SessionContext("orphan", 0, list(PROMPT), SamplingParams(max_new_tokens=4)), None)
+        (result,) = await ch.call("step", [item], 30.0)
+        assert len(result.emitted) == 1  # the prefill ran: the session holds a KV slot
+        assert await asyncio.to_thread(sessions) == before + 1
+        ch.close()
+
+    asyncio.run(open_and_leave())
+    deadline = time.time() + 30
+    while sessions() != before:
+        assert time.time() < deadline, "the closed channel's session was never released"
+        time.sleep(0.2)
