@@ -128,7 +128,8 @@ class RouteState:
         # drift; adaptive requests carry it to the replica, which prices with it too (one view).
         # One observation is one finished request, whose time per token averages its dozens of steps:
         # a few of them on each side are evidence enough, and each weighs more than an engine step.
-        self.view = CostView(self.costs, with_hops(sampled_costs, self.separate_hop_s, self.separate_overlap) if sampled_costs else None,
+        sampled = with_hops(sampled_costs, self.separate_hop_s, self.separate_overlap) if sampled_costs else None
+        self.view = CostView(self.costs, sampled,
                              StepDrift(weight=SERVED_DRIFT_WEIGHT, min_steps=SERVED_DRIFT_MIN_REQUESTS,
                                        bounds=SERVED_DRIFT_BOUNDS))
 
@@ -155,7 +156,8 @@ class RouteState:
         model = self.cost_model(params.temperature <= 0, context_len)
         if params.adaptive_k and k > 1:
             k = model.best_k(batch, a, k, "separate", allow_plain=False).k
-        overlap = self.separate_overlap == "always" or (self.separate_overlap == "auto" and model.overlap_pays(batch, k, a))
+        overlap = self.separate_overlap == "always" or (
+            self.separate_overlap == "auto" and model.overlap_pays(batch, k, a))
         return k, overlap
 
     @property

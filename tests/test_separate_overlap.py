@@ -32,7 +32,8 @@ def server(tiny_models, noisy_draft):
 
     small = {"num_cpus": 0.1}
     args = {"target": tiny_models["target"], "draft": noisy_draft, "model_name": "tiny", "max_model_len": 128,
-            "separate_overlap": "always", "acceptance_prior": 0.9, "traffic_class_promote_after": 1, "router": small, "draft_deployment": small, "target_deployment": small,
+            "separate_overlap": "always", "acceptance_prior": 0.9, "traffic_class_promote_after": 1,
+            "router": small, "draft_deployment": small, "target_deployment": small,
             "plain": {"num_replicas": 0}, "colocated": {"num_replicas": 0}}
     port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
