@@ -77,7 +77,9 @@ class StepReplica:
                                      on_close=self._peer_gone)
 
     async def channel(self) -> ChannelAddress:
-        """Where the loop's owner sends this replica's steps (a session-pinned call reaches it)."""
+        """Where the loop's owner sends this replica's steps (a session-pinned call reaches it): the
+        node's address as Ray knows it, where Ray's own ports listen, so a Router on another node
+        can reach it."""
         return await self._server.address(ray.util.get_node_ip_address())
 
     async def _step(self, items: list, peer: int) -> list:
