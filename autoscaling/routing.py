@@ -1,8 +1,9 @@
 """Routing policy: which pool serves a request, with which K, and why.
 
 Pools: "plain" (PlainDecoder replicas), "colocated" (draft and target in one
-replica) and "separate" (the router runs Draft.propose -> Target.verify, two
-Ray hops per step). The policy is a pure function `route(ctx)`; the router
+replica) and "separate" (the router's loop: a propose message to the Draft and a
+verify message to the Target per step, the draft's next round overlapped with
+the verify where that pays). The policy is a pure function `route(ctx)`; the router
 deployment builds the `RoutingContext` from the request, its pool counters,
 the cost models and the acceptance tracker.
 

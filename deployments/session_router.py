@@ -1,11 +1,13 @@
 """Session affinity for the separate topology's Draft and Target deployments.
 
-Every call of one request must reach the replica of Draft (and of Target) that holds its KV cache.
-The caller pins a call with ``handle.options(session_id=...)``; ``SessionAffinityRouter`` maps the
-session id to a replica by rendezvous (highest-random-weight) hashing over the current replica set:
-deterministic across processes (so several router replicas agree), and when a replica leaves only
-its own sessions move (they re-prefill elsewhere: KV caches are soft state, the history travels
-with every call). Calls without a session id go to the less loaded of the candidates.
+A request's steps must reach the replica of Draft (and of Target) that holds its KV cache: the
+separate loop looks the replica up with a pinned call (``channel``, then its steps go over that
+replica's channel; ``where`` and ``stats`` for operators). The caller pins a call with
+``handle.options(session_id=...)``; ``SessionAffinityRouter`` maps the session id to a replica by
+rendezvous (highest-random-weight) hashing over the current replica set: deterministic across
+processes (so several router replicas agree), and when a replica leaves only its own sessions move
+(they re-prefill elsewhere: KV caches are soft state, and a replica that lacks a context asks for
+it whole). Calls without a session id go to the less loaded of the candidates.
 
 Ray Serve 2.60 bug (docs/ARCHITECTURE.md, Facts): a non-FIFO request router indexes pending requests by the
 *parent* request's internal id, so two pinned calls issued concurrently from inside one request
