@@ -28,8 +28,9 @@ from deployments.target import Target
 # The replica half of Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED): user code and
 # the handle's request router run on the replica's main event loop, so a call or a streamed message
 # does not hop between threads (and their GIL turns) on the way. A replica -> replica streamed call of
-# 8 messages over gRPC: 2.8 -> 1.9 ms here (BENCHMARKS.md, "Serving overhead"). Every method of these
-# deployments that computes runs on a thread of its own, so the loop is never blocked by a forward.
+# 8 messages over gRPC: 2.8 -> 1.9 ms here (BENCHMARKS.md, "Serving overhead"). Engine replicas step on
+# a thread of their own, so their loop is never blocked by a forward; Draft and Target run a step on
+# the loop itself (deployments/step_replica.py: their channel's next message waits for the answer).
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 

@@ -5,8 +5,8 @@ Router -> engine replica: ``GenerateRequest``; engine replica (or the separate l
 ``ProposeStepItem`` or ``VerifyStepItem`` per session, each with the change to the session's context
 (``SessionContext``, ``SamplingParams`` on a session's first message), and the engine's own types
 back: ``Proposal`` from the Draft, ``VerifyResult`` from the Target (``specdec_core``), or
-``Resync`` / ``ItemFailed`` for one item. A
-co-located replica's step costs come as ``ReplicaCosts``; every replica's load and state as its
+``Resync`` / ``ItemFailed`` for one item. A co-located replica's step costs come as
+``ReplicaCosts``; every replica's load and state as its
 ``...Stats`` (the router turns them into JSON only at the HTTP edge, ``GET /v1/stats``). Each side
 builds and reads these dataclasses, never a dict by string key, so a field added on one side is a
 field the other can see.

@@ -148,17 +148,19 @@ class RouteState:
         or as config ``separate_overlap`` forces). Acceptance: the request's own judged tokens shrunk
         towards its class's estimate, as adaptive K's in an engine."""
         k = params.num_speculative_tokens
-        if k == 0 or (self.separate_overlap != "auto" and not (params.adaptive_k and k > 1)):
-            return k, k > 0 and self.separate_overlap == "always"
-        prior = self.tracker.prior_weight
+        adaptive = params.adaptive_k and k > 1
+        if k == 0:
+            return 0, False
+        if not adaptive and self.separate_overlap != "auto":  # nothing to price
+            return k, self.separate_overlap == "always"
         class_a = params.class_acceptance if params.class_acceptance is not None else self.tracker.prior_mean
-        a = (stats.accepted + prior * class_a) / (sum(stats.proposed_per_position) + prior)
+        a = self.tracker.shrink(stats.accepted, sum(stats.proposed_per_position), class_a)
         model = self.cost_model(params.temperature <= 0, context_len)
-        if params.adaptive_k and k > 1:
+        if adaptive:
             k = model.best_k(batch, a, k, "separate", allow_plain=False).k
-        overlap = self.separate_overlap == "always" or (
-            self.separate_overlap == "auto" and model.overlap_pays(batch, k, a))
-        return k, overlap
+        if self.separate_overlap != "auto":
+            return k, self.separate_overlap == "always"
+        return k, model.overlap_pays(batch, k, a)
 
     @property
     def calibrated(self) -> bool:
@@ -214,7 +216,7 @@ class RouteState:
             pool = next((p for p in POOLS if p in loads), None)  # a spec pool decodes plain with K=0
             if pool is None:
                 raise RoutingError("no pool is deployed")
-        # Adaptive K runs inside a co-located replica's engine; the separate loop keeps the chosen K.
+        # Adaptive K runs inside a co-located replica's engine, and in the separate loop (``separate_round``).
         adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in ("colocated", "separate")
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 

@@ -181,6 +181,11 @@ class AcceptanceTracker:
     def prior(self, cls: TrafficClass) -> float:
         return self.draft_prior_means.get(cls.draft, self.prior_mean)
 
+    def shrink(self, accepted: float, judged: float, prior: float) -> float:
+        """One request's evidence (accepted of judged draft tokens) shrunk towards ``prior`` (its
+        class's estimate), which counts as ``prior_weight`` judged tokens."""
+        return (accepted + self.prior_weight * prior) / (judged + self.prior_weight)
+
     def estimate(self, cls: TrafficClass) -> float:
         """Posterior mean of a: (prior pseudo-accepts + accepted) / (prior weight + judged)."""
         stats = self._get(cls)

@@ -194,9 +194,8 @@ class AdaptiveK:
     def acceptance(self, cls: TrafficClass, accepted: int, judged: int, class_estimate: float | None = None
                    ) -> float:
         """The request's own evidence shrunk towards its class's estimate (the router's, when given)."""
-        prior_weight = self.tracker.prior_weight
         prior = self.tracker.estimate(cls) if class_estimate is None else class_estimate
-        return (accepted + prior_weight * prior) / (judged + prior_weight)
+        return self.tracker.shrink(accepted, judged, prior)
 
     def choose(self, state: KState | None, cls: TrafficClass, accepted: int, judged: int, batch: int,
                k_max: int, remaining_tokens: int = 1 << 30, catch_up_tokens: int = 0, context_len: int = 0,

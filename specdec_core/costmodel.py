@@ -277,9 +277,10 @@ class CostModel:
     costs: StepCosts
     # Measured / calibrated step time, learnt while serving (None: the calibration as is).
     drift: StepDrift | None = field(default=None, compare=False)
-    # Step times depend on (batch, K, topology) only; adaptive K asks per request and step, so they
-    # are computed once (a grid interpolation per K was ~0.1 ms a request at batch 16).
-    _step_times: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    # A step's parts (verify, draft phase, hops) depend on (batch, K, topology) only; adaptive K and the
+    # separate loop ask per request and step, so they are computed once (a grid interpolation per K
+    # was ~0.1 ms a request at batch 16).
+    _parts_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def plain_time_per_token(self, batch: float) -> float:
         return self.spec_step_time(batch, 0)
@@ -293,15 +294,22 @@ class CostModel:
 
     def calibrated_step_time(self, batch: float, k: int, topology: str = "colocated",
                              draft_rows: float | None = None) -> float:
+        verify, draft, hop = self._step_parts(batch, k, topology, draft_rows)
+        return verify + (draft + hop)
+
+    def _step_parts(self, batch: float, k: int, topology: str, draft_rows: float | None = None
+                    ) -> tuple[float, float, float]:
+        """(K+1-token verify, the draft phase: K forwards and the step's extra, the hops) of one step,
+        as calibrated; zeros beside the verify at K=0."""
         key = (batch, k, topology, draft_rows)
-        t = self._step_times.get(key)
-        if t is None:
-            t = self.costs.target_time(batch, k + 1)
+        parts = self._parts_cache.get(key)
+        if parts is None:
+            draft = hop = 0.0
             if k:
                 rows = batch if draft_rows is None else draft_rows
-                t += k * self.costs.draft_time(rows) + self.costs.draft_step_time(rows) + self.costs.hop(topology)
-            self._step_times[key] = t
-        return t
+                draft, hop = k * self.costs.draft_time(rows) + self.costs.draft_step_time(rows), self.costs.hop(topology)
+            parts = self._parts_cache[key] = (self.costs.target_time(batch, k + 1), draft, hop)
+        return parts
 
     def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
         """Time per emitted token with K-token speculation: a step over E_K(a) tokens, or the
@@ -319,10 +327,9 @@ class CostModel:
         fresh proposal D before it when the previous round's overlapped proposal was dropped (the
         target rejected one of its K tokens: probability 1 - a^K); a kept round emits its K tokens
         without the bonus, so a round emits E_K(a) - a^K tokens."""
-        verify = self.costs.target_time(batch, k + 1)
-        draft = k * self.costs.draft_time(batch) + self.costs.draft_step_time(batch)
+        verify, draft, hop = self._step_parts(batch, k, topology)
         kept = a**k
-        t = max(draft, verify) + (1.0 - kept) * draft + self.costs.hop(topology)
+        t = max(draft, verify) + (1.0 - kept) * draft + hop
         if self.drift is not None:
             t *= self.drift.factor(k, batch)
         return t / (expected_tokens_per_step(a, k) - kept)

@@ -9,7 +9,7 @@ import os
 
 import httpx
 import pytest
-from test_serve_app import APP, PATHS, ROOT, _free_port, app_args, complete, sse_events, wait_idle
+from test_serve_app import PATHS, _free_port, app_args, complete, running_app, sse_events, wait_idle
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,29 +29,16 @@ def _direct_url(first_port: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     first = _free_port()
     # Read by the processes the cluster starts (the controller, the proxy, the replicas), so set before it.
     env = {**DIRECT_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 20)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(tiny_models)), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "direct": _direct_url(first),
-               "router": serve.get_deployment_handle("Router", APP)}
+        with running_app(app_args(tiny_models)) as app:
+            yield {**app, "direct": _direct_url(first)}
     finally:
-        serve.shutdown()
-        ray.shutdown()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -7,12 +7,11 @@ error event."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import httpx
 import pytest
-from test_serve_app import APP, MAX_LEN, PATHS, ROOT, _free_port, app_args, sse_events, synthetic_costs
+from test_serve_app import APP, MAX_LEN, PATHS, app_args, running_app, sse_events, synthetic_costs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -22,12 +21,6 @@ STEP_TIMEOUT_S = 15.0
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
     from deployments.calibrate import record, save_calibration
 
     calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
@@ -35,15 +28,8 @@ def server(tiny_models, tmp_path_factory):
     # A long step timeout: a dead replica must be noticed by its closed channel, not by a step timing out.
     args = {**app_args(tiny_models, calibration), "target_deployment": {"num_cpus": 0.1, "num_replicas": 1},
             "step_timeout_s": STEP_TIMEOUT_S}
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP)}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with running_app(args) as app:
+        yield app
 
 
 def router_stats(server) -> dict:

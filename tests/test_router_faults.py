@@ -4,12 +4,11 @@ new requests keep being served by the other router replica at once."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import httpx
 import pytest
-from test_serve_app import APP, MAX_LEN, ROOT, _free_port, app_args, sse_events
+from test_serve_app import APP, MAX_LEN, app_args, running_app, sse_events
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,23 +17,8 @@ PROMPT = [7, 3, 11, 5]
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    args = {**app_args(tiny_models), "draft": None, "router": {"num_cpus": 0.1, "num_replicas": 2}}
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}"}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with running_app({**app_args(tiny_models), "draft": None, "router": {"num_cpus": 0.1, "num_replicas": 2}}) as app:
+        yield app
 
 
 def _router_replicas() -> list[str]:

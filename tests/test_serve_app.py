@@ -5,11 +5,13 @@ HTTP goes to 127.0.0.1 on a free port, with httpx and with the official openai c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,6 +35,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(args: dict, app: str = APP, metrics_port: int | None = None) -> Iterator[dict]:
+    """A local Ray cluster (2 CPUs) serving ``build_app(args)`` as ``app`` on a free 127.0.0.1 port,
+    shut down on exit: {"url", "router"}."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    extra = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **extra)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=app, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", app)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 # The regime tests need a cost model under which this 2-core machine is compute bound at a small
@@ -110,29 +135,14 @@ def with_extra_eos(target: str, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
     from deployments.calibrate import record, save_calibration
 
     models = {**tiny_models, "target": with_extra_eos(tiny_models["target"], tmp_path_factory)}
     calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
     save_calibration(calibration, record(synthetic_costs(), models["target"], models["draft"], "cpu"))
-    port, metrics_port = _free_port(), _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(models, calibration)), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP),
-               "target": models["target"],
-               "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    metrics_port = _free_port()
+    with running_app(app_args(models, calibration), metrics_port=metrics_port) as app:
+        yield {**app, "target": models["target"], "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
 
 
 @pytest.fixture(scope="module")
@@ -378,41 +388,6 @@ def test_sampled_output_follows_the_target_distribution_on_every_path(server):
                               minlength=exact.numel()) / n
         tv = 0.5 * (hist - exact).abs().sum().item()
         assert tv < 2 * expected_tv(exact, n), (name, tv, expected_tv(exact, n))
-
-
-def test_separate_requests_share_steps_and_join_and_leave(server):
-    """Separate requests of different lengths, each starting while others run: every output equals
-    the request's output alone, and the Target replicas ran them in shared steps (fewer step
-    messages than the requests' steps alone, more than one session in a step)."""
-    jobs = [(f"Separate {i}: it is a truth", 6 + 5 * i) for i in range(8)]
-
-    def target_steps() -> int:
-        return sum(r["batches"] for r in stats(server)["target"])
-
-    async def run(concurrent: bool):
-        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
-            async def one(i, prompt, n):
-                if concurrent:
-                    await asyncio.sleep(0.05 * i)  # join while the others run
-                r = await ac.post("/v1/completions", json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True, "speculation": SEPARATE})
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["token_ids"]
-            if concurrent:
-                return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(jobs)))
-            return [await one(i, p, n) for i, (p, n) in enumerate(jobs)]
-
-    t0 = target_steps()
-    alone = asyncio.run(run(False))
-    t1 = target_steps()
-    together = asyncio.run(run(True))
-    t2 = target_steps()
-    assert together == alone
-    assert [len(o) for o in alone] == [n for _, n in jobs]
-    assert t2 - t1 < t1 - t0, (t1 - t0, t2 - t1)
-    assert max(r["max_batch"] for r in stats(server)["target"]) > 1
-    wait_idle(server)
 
 
 def test_sampling_seeded_reproducible(client):

@@ -1,53 +1,43 @@
-"""The separate topology's overlapped rounds (PEARL's post-verify, deployments/separate_loop.py) on a
-served app of its own: a draft that agrees with the target only partly (a noisy copy of it), so
-that the target accepts whole proposals often enough for the overlapped proposal to be kept, and
-rejects often enough for the sequential path to run too. Only the separate pool is deployed."""
+"""The separate topology on a served app of its own (only the separate pool deployed): batched steps
+that requests join and leave, overlapped rounds (PEARL's post-verify, deployments/separate_loop.py),
+adaptive K, and sessions released when a channel closes. The draft agrees with the target only
+partly (a noisy copy of it), so that the target accepts whole proposals often enough for overlapped
+proposals to be kept, and rejects often enough for the sequential path to run too."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import httpx
 import pytest
 import torch
 from conftest import exact_marginals, expected_tv
-from test_serve_app import ROOT, _free_port
+from test_serve_app import running_app
 
 pytestmark = pytest.mark.timeout(300)
 
-APP = "overlap"
+APP = "separate"
 PROMPT = [7, 3, 11]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models, noisy_draft):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
     small = {"num_cpus": 0.1}
     args = {"target": tiny_models["target"], "draft": noisy_draft, "model_name": "tiny", "max_model_len": 128,
             "separate_overlap": "always", "acceptance_prior": 0.9, "traffic_class_promote_after": 1,
             "router": small, "draft_deployment": small, "target_deployment": small,
             "plain": {"num_replicas": 0}, "colocated": {"num_replicas": 0}}
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", APP)}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with running_app(args, APP) as app:
+        yield app
+
+
+def pool_stats(server) -> dict:
+    return server["router"].pool_stats.remote().result(timeout_s=60)
 
 
 def overlap_counters(server) -> dict:
-    return server["router"].pool_stats.remote().result(timeout_s=60)["router"]["separate_overlap"]
+    return pool_stats(server)["router"]["separate_overlap"]
 
 
 def sample(server, n: int, k: int, max_tokens: int, **knobs) -> list[dict]:
@@ -152,4 +142,43 @@ def test_sessions_of_a_router_that_is_gone_are_released(server):
     deadline = time.time() + 30
     while sessions() != before:
         assert time.time() < deadline, "the closed channel's session was never released"
+        time.sleep(0.2)
+
+
+def test_requests_share_steps_and_join_and_leave(server):
+    """Separate requests of different lengths, each starting while others run: every output equals
+    the request's output alone, and the Target ran them in shared steps (fewer step messages than
+    the requests' steps alone, more than one session in a step); every session is released after."""
+    jobs = [(f"Separate {i}: it is a truth", 6 + 5 * i) for i in range(8)]
+
+    def target_steps() -> int:
+        return sum(r["batches"] for r in pool_stats(server)["target"])
+
+    async def run(concurrent: bool):
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            async def one(i, prompt, n):
+                if concurrent:
+                    await asyncio.sleep(0.05 * i)  # join while the others run
+                r = await ac.post("/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True,
+                    "speculation": {"mode": "speculative", "topology": "separate", "num_speculative_tokens": 4}})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            if concurrent:
+                return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(jobs)))
+            return [await one(i, p, n) for i, (p, n) in enumerate(jobs)]
+
+    t0 = target_steps()
+    alone = asyncio.run(run(False))
+    t1 = target_steps()
+    together = asyncio.run(run(True))
+    t2 = target_steps()
+    assert together == alone
+    assert [len(o) for o in alone] == [n for _, n in jobs]
+    assert t2 - t1 < t1 - t0, (t1 - t0, t2 - t1)
+    assert max(r["max_batch"] for r in pool_stats(server)["target"]) > 1
+    deadline = time.time() + 30
+    while any(r["sessions"] for side in ("draft", "target") for r in pool_stats(server)[side]):
+        assert time.time() < deadline, "sessions still held after every request ended"
         time.sleep(0.2)
