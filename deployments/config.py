@@ -165,6 +165,14 @@ class AppConfig(BaseModel):
                                   "step within this time is presumed lost (one that died closes its channel at "
                                   "once): a Draft's requests decode plain and speculation pauses for 5 s; a "
                                   "Target's requests move to an engine pool.")
+    channel_max_frame_bytes: int | None = Field(None, ge=1024, description="Separate topology: the largest frame "
+                                                "a channel end reads (a larger one closes the connection before it "
+                                                "is buffered). Null: twice the largest real step message, a batch of "
+                                                "`max_batch_size` proposals of `k_max` fp32 draft distributions over "
+                                                "the vocabulary plus full contexts (`channel_frame_bound`).")
+    channel_handshake_timeout_s: float = Field(5.0, gt=0, description="Separate topology: a connection to a "
+                                               "Draft/Target channel that has not presented the replica's token "
+                                               "within this time is closed.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; a larger one gets 413 before "
                                 "it is read (a full context of text is a few KB).")
     max_header_bytes: int = Field(32 << 10, ge=1024, description="Largest total size of a request's headers; "
@@ -200,6 +208,15 @@ class AppConfig(BaseModel):
         return self
 
     # ---- derived ----------------------------------------------------------------------------------
+    def channel_frame_bound(self, vocab_size: int) -> int:
+        """``channel_max_frame_bytes``, or twice the largest step message: every slot's proposal of
+        ``k_max`` fp32 distributions over the vocabulary, and every slot's full context (msgpack: at
+        most 5 bytes a token id), with 64 KiB for the envelope."""
+        if self.channel_max_frame_bytes is not None:
+            return self.channel_max_frame_bytes
+        per_item = self.k_max * vocab_size * 4 + 5 * (self.max_model_len + self.k_max)
+        return 2 * self.max_batch_size * per_item + (64 << 10)
+
     @property
     def has_plain(self) -> bool:
         return self.plain.num_replicas > 0 or self.plain.autoscaling.enabled

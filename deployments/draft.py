@@ -16,7 +16,7 @@ import logging
 import torch
 
 from deployments.config import AppConfig
-from deployments.messages import ItemFailed, Placement, ProposeStepItem, SideStats
+from deployments.messages import DRAFT_METHODS, ItemFailed, Placement, ProposeStepItem, SideStats
 from deployments.step_replica import StepReplica, session_generator
 
 DRAFT_STREAM = 1  # the Draft's random stream of a seeded request (the Target's is 0)
@@ -37,7 +37,7 @@ class Draft(StepReplica):
         self._generators: dict[str, torch.Generator | None] = {}
         self._max_batch = 0
         self._fail_next = 0
-        super().__init__()
+        super().__init__(cfg, DRAFT_METHODS, runner.vocab_size)
         logger.info("Draft ready: %s slots=%d", cfg.draft, runner.num_slots)
 
     def _run_step(self, items: list[tuple[ProposeStepItem, list[int], SamplingParams]]) -> list:

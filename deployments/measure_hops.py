@@ -1,7 +1,7 @@
 """Per-step orchestration overhead of the separate topology at batch 1, against the co-located path.
 
-    PYTHONPATH=. RAY_AUTH_MODE=disabled python -m deployments.measure_hops            # random-init models
-    PYTHONPATH=. RAY_AUTH_MODE=disabled python -m deployments.measure_hops --target models/target --draft models/draft
+    PYTHONPATH=. python -m deployments.measure_hops            # random-init models
+    PYTHONPATH=. python -m deployments.measure_hops --target models/target --draft models/draft
 
 Starts a local cluster and the app, sends greedy streamed requests with a fixed K one at a time to
 each path (plain, co-located, separate), and times decoding at the client: from the first chunk (the
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import httpx
     import ray

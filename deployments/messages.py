@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec_core import Proposal, RequestOutput, RequestStats, SamplingParams
+from specdec_core import Proposal, RequestOutput, RequestStats, SamplingParams, VerifyResult
 from specdec_core.costmodel import StepCosts, StepDrift
 
 
@@ -148,3 +148,10 @@ class VerifyStepItem:
 
     context: SessionContext
     proposal: Proposal | None
+
+
+# What each side's channel may be sent, and answers: method -> (argument type, result type). A
+# frame decodes into these types only (deployments/wire.py).
+DRAFT_METHODS = {"step": (list[ProposeStepItem], list[Proposal | Resync | ItemFailed]), "release": (list[str], int)}
+TARGET_METHODS = {"step": (list[VerifyStepItem], list[VerifyResult | Resync | ItemFailed]),
+                  "release": (list[str], int)}

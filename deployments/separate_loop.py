@@ -41,9 +41,18 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from deployments.channel import Channel, ChannelCallError, ChannelClosed
+from deployments.channel import Channel, ChannelCallError, ChannelClosed, ChannelMethods
 from deployments.contexts import SentContexts
-from deployments.messages import Delta, ItemFailed, ProposeStepItem, Resume, Resync, VerifyStepItem
+from deployments.messages import (
+    DRAFT_METHODS,
+    TARGET_METHODS,
+    Delta,
+    ItemFailed,
+    ProposeStepItem,
+    Resume,
+    Resync,
+    VerifyStepItem,
+)
 from deployments.metrics import RouterMetrics
 from deployments.session_router import pinned_gather
 from specdec_core import Proposal, RequestOutput, SamplingParams
@@ -148,7 +157,7 @@ class SeparateLoop:
         a = _Active(req, sid, stream_interval_s=stream_interval_s)
         draft_up = p.num_speculative_tokens and time.monotonic() >= self._draft_down_until
         # Both replicas are looked up at once: the first proposal step finds its draft ready.
-        target, _ = await asyncio.gather(self._connect(self._target, sid),
+        target, _ = await asyncio.gather(self._connect(self._target, TARGET_METHODS, sid),
                                          self._find_draft(a) if draft_up else asyncio.sleep(0),
                                          return_exceptions=True)
         if isinstance(target, BaseException):
@@ -308,7 +317,7 @@ class SeparateLoop:
     async def _find_draft(self, a: _Active) -> None:
         """Look up the session's Draft replica and open its channel; on failure the request decodes plain."""
         try:
-            a.draft = await self._connect(self._draft, a.session_id)
+            a.draft = await self._connect(self._draft, DRAFT_METHODS, a.session_id)
         except Exception as exc:  # noqa: BLE001 - whatever the lookup met, the request decodes plain
             self._draft_failed(a, exc)
 
@@ -318,14 +327,14 @@ class SeparateLoop:
             task = asyncio.get_running_loop().create_task(self._find_draft(a), context=contextvars.Context())
             a.draft_lookup = task
 
-    async def _connect(self, handle: DeploymentHandle, session_id: str) -> Channel:
+    async def _connect(self, handle: DeploymentHandle, methods: ChannelMethods, session_id: str) -> Channel:
         """The channel to the replica that owns ``session_id`` (opened once per replica)."""
         # In a task of its own with a fresh internal request id (the 2.60 affinity bug, session_router.py).
         call = pinned_gather(lambda: handle.options(session_id=session_id, _by_reference=False).channel.remote())
         (address,) = await asyncio.wait_for(call, self._step_timeout_s)
         ch = self._channels.get(address.replica)
         if ch is None or ch.closed or ch.address != address:
-            ch = await Channel.open(address)
+            ch = await Channel.open(address, methods)
             current = self._channels.get(address.replica)
             if current is not None and not current.closed and current.address == address:
                 ch.close()  # opened concurrently by another request: share one

@@ -22,7 +22,8 @@ import ray
 import torch
 from ray import serve
 
-from deployments.channel import ChannelAddress, ChannelServer
+from deployments.channel import ChannelAddress, ChannelMethods, ChannelServer
+from deployments.config import AppConfig
 
 logger = logging.getLogger("ray.serve")
 from deployments.contexts import ReplicaContexts
@@ -69,12 +70,13 @@ class StepReplica:
     """Channel and contexts of a Draft or Target replica. A subclass runs a step's
     items (``_run_step``) and frees a session's model state (``_drop``)."""
 
-    def __init__(self):
+    def __init__(self, cfg: AppConfig, methods: ChannelMethods, vocab_size: int):
         self._contexts = ReplicaContexts()
         self._released = Tombstones()
         self._sessions_of: dict[int, set[str]] = {}  # channel peer -> the sessions its steps opened
-        self._server = ChannelServer(self._replica_id(), {"step": self._step, "release": self._release},
-                                     on_close=self._peer_gone)
+        self._server = ChannelServer(self._replica_id(), methods, {"step": self._step, "release": self._release},
+                                     max_frame_bytes=cfg.channel_frame_bound(vocab_size),
+                                     handshake_timeout_s=cfg.channel_handshake_timeout_s, on_close=self._peer_gone)
 
     async def channel(self) -> ChannelAddress:
         """Where the loop's owner sends this replica's steps (a session-pinned call reaches it): the

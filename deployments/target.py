@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from deployments.config import AppConfig
-from deployments.messages import ItemFailed, Placement, SideStats, VerifyStepItem
+from deployments.messages import TARGET_METHODS, ItemFailed, Placement, SideStats, VerifyStepItem
 from deployments.step_replica import StepReplica, session_generator
 from specdec_core import ModelRunner, Proposal, SamplingParams, Verifier, VerifyItem
 
@@ -48,7 +48,7 @@ class Target(StepReplica):
         self._max_batch = 0
         self._batches = 0
         self._opened = 0
-        super().__init__()
+        super().__init__(cfg, TARGET_METHODS, runner.vocab_size)
         logger.info("Target ready: %s slots=%d", cfg.target, runner.num_slots)
 
     def _run_step(self, items: list[tuple[VerifyStepItem, list[int], SamplingParams]]) -> list:

@@ -25,7 +25,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit
     seed: int | None = None
-    stop: Sequence[str] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     num_speculative_tokens: int = 0  # K; 0 = plain decoding; the upper bound of K when adaptive_k
     adaptive_k: bool = False  # re-choose K every step from the cost model and acceptance (engine needs one)

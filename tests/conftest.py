@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's token authentication on, as ./run has it (SECURITY.md); set before anything imports Ray, which
+# reads the mode once per process. ray.init() then generates the token for a new local cluster.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 torch.set_num_threads(1)
 
 _CORPUS = [

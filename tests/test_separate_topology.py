@@ -32,6 +32,17 @@ def server(tiny_models, noisy_draft):
         yield app
 
 
+def target_greedy(model_path: str, n: int) -> list[int]:
+    """The target's own greedy continuation of PROMPT, ``n`` tokens, without stopping at EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model, want = AutoModelForCausalLM.from_pretrained(model_path), []
+    with torch.no_grad():
+        for _ in range(n):
+            want.append(int(model(torch.tensor([PROMPT + want])).logits[0, -1].argmax()))
+    return want
+
+
 def pool_stats(server) -> dict:
     return server["router"].pool_stats.remote().result(timeout_s=60)
 
@@ -80,12 +91,7 @@ def test_overlapped_rounds_follow_the_target_distribution(server, tiny_models):
 def test_overlapped_greedy_equals_the_target_greedy(server, tiny_models):
     """Greedy with K=3 over 40 tokens: the output is the target's own greedy continuation, token
     for token, with overlapped proposals kept along the way."""
-    from transformers import AutoModelForCausalLM
-
-    model, want = AutoModelForCausalLM.from_pretrained(tiny_models["target"]), []
-    with torch.no_grad():
-        for _ in range(40):  # argmax without stopping at EOS (the requests ignore it)
-            want.append(int(model(torch.tensor([PROMPT + want])).logits[0, -1].argmax()))
+    want = target_greedy(tiny_models["target"], 40)
     before = overlap_counters(server)
     outs = sample(server, 4, 3, 40, temperature=0.0)
     assert all(o["choices"][0]["token_ids"] == want for o in outs), ([o["choices"][0]["token_ids"] for o in outs], want)
@@ -96,12 +102,7 @@ def test_auto_requests_run_adaptive_k_in_the_separate_loop(server, tiny_models):
     """mode=auto on an app whose only speculative pool is the separate topology: a request of a
     fresh traffic class (the app's prior: acceptance 0.9) runs there with adaptive K (re-chosen each
     round from the cost model) and its greedy output is the target's own."""
-    from transformers import AutoModelForCausalLM
-
-    model, want = AutoModelForCausalLM.from_pretrained(tiny_models["target"]), []
-    with torch.no_grad():
-        for _ in range(24):
-            want.append(int(model(torch.tensor([PROMPT + want])).logits[0, -1].argmax()))
+    want = target_greedy(tiny_models["target"], 24)
     with httpx.Client(base_url=server["url"], timeout=120) as client:
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
                                                  "ignore_eos": True, "return_token_ids": True, "user": "auto-test",
@@ -119,7 +120,7 @@ def test_sessions_of_a_router_that_is_gone_are_released(server):
     from ray import serve
 
     from deployments.channel import Channel
-    from deployments.messages import SessionContext, VerifyStepItem
+    from deployments.messages import TARGET_METHODS, SessionContext, VerifyStepItem
     from specdec_core import SamplingParams
 
     target = serve.get_deployment_handle("Target", APP)
@@ -131,7 +132,7 @@ def test_sessions_of_a_router_that_is_gone_are_released(server):
     before = sessions()
 
     async def open_and_leave():
-        ch = await Channel.open(address)
+        ch = await Channel.open(address, TARGET_METHODS)
         item = VerifyStepItem(SessionContext("orphan", 0, list(PROMPT), SamplingParams(max_new_tokens=4)), None)
         (result,) = await ch.call("step", [item], 30.0)
         assert len(result.emitted) == 1  # the prefill ran: the session holds a KV slot
@@ -182,3 +183,51 @@ def test_requests_share_steps_and_join_and_leave(server):
     while any(r["sessions"] for side in ("draft", "target") for r in pool_stats(server)[side]):
         assert time.time() < deadline, "sessions still held after every request ended"
         time.sleep(0.2)
+
+
+def test_channel_ports_of_a_running_service_refuse_unauthenticated_bytes(server, tiny_models, tmp_path):
+    """On the served app: while greedy separate requests run, connections to the Draft's and the
+    Target's channel ports send a pickle that would run a command, random bytes, a wrong token and a
+    frame header of 4 GiB after the right token. None of it is decoded or run (the command's file
+    never appears), each such connection is closed, and every request finishes with the target's own
+    greedy output."""
+    import os
+    import pickle
+    import struct
+
+    from ray import serve
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    addresses = [serve.get_deployment_handle(name, APP).options(session_id=f"probe-{name}").channel.remote()
+                 .result(timeout_s=30) for name in ("Draft", "Target")]
+    attacks = [struct.pack("!I", 200) + pickle.dumps(Exploit()), os.urandom(2048),
+               bytes(b ^ 0xFF for b in addresses[0].token) + b"\0\0\0\1x"]
+
+    async def attack(address, payload) -> bytes:
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(payload)
+        try:
+            return await asyncio.wait_for(reader.read(), 15)  # b"": the replica closed the connection
+        finally:
+            writer.close()
+
+    async def all_attacks():
+        await asyncio.sleep(0.3)  # while the requests run
+        return await asyncio.gather(*(attack(a, p) for a in addresses for p in
+                                      attacks + [a.token + struct.pack("!I", (4 << 30) - 1)]))
+
+    async def both():
+        requests = asyncio.to_thread(sample, server, 6, 3, 32, temperature=0.0)
+        return await asyncio.gather(requests, all_attacks())
+
+    outs, answers = asyncio.run(both())
+    want = target_greedy(tiny_models["target"], 32)
+    assert answers == [b""] * len(answers)
+    assert not marker.exists()
+    assert all(o["choices"][0]["token_ids"] == want for o in outs)
+    assert all(o["speculation"]["proposed_tokens"] > 0 for o in outs)

@@ -41,7 +41,6 @@ def _free_port() -> int:
 def running_app(args: dict, app: str = APP, metrics_port: int | None = None) -> Iterator[dict]:
     """A local Ray cluster (2 CPUs) serving ``build_app(args)`` as ``app`` on a free 127.0.0.1 port,
     shut down on exit: {"url", "router"}."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
     from ray import serve
