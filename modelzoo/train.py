@@ -4,6 +4,12 @@
     python -m modelzoo.train --tokenizer                 # tokenizer + token arrays + prompt sets
     python -m modelzoo.train --model target --minutes 65 --threads 2
     python -m modelzoo.train --model draft --minutes 14 --threads 1   # needs models/target
+    python -m modelzoo.train --model dram/target --threads 1          # grown from models/target
+
+Two families: the tiny one (``target``, ``draft``, ...: the test fixtures, 3.4M-parameter target
+that fits in a CPU's L3) and ``dram/`` (the served default: a target grown from the tiny one,
+function-preserving (Net2Net, Chen et al. 2016), large enough that a decode step streams its
+weights from DRAM as a GPU's step streams HBM).
 
 Checkpoints (resumable: rerunning the same command continues where it stopped, the
 time budget counts the time already spent) live in data/checkpoints/<name>.pt; the
@@ -17,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-DATA = Path("data")
+DATA = Path(os.environ.get("SPECDEC_DATA", "data"))  # corpus, token arrays, checkpoints (not in git)
 CORPUS = DATA / "corpus"
 TOKENS = DATA / "tokens"
 CKPT = DATA / "checkpoints"
@@ -43,6 +50,8 @@ class Spec:
     mix: dict = field(default_factory=lambda: {"prose": 0.5, "code": 0.5})  # domain -> share of sequences
     teacher: str | None = None        # distil from models/<teacher> (KL at temperature T + CE)
     init_layers: list | None = None   # start from the teacher: its embedding, final norm and these layers
+    grow_from: str | None = None      # start from models/<grow_from>, widened and deepened (see ``grow``)
+    new_layers: list = field(default_factory=list)  # with grow_from: where identity layers are inserted
     kd_alpha: float = 0.8             # weight of T^2 * KL; (1 - alpha) on CE
     kd_temp: float = 1.5
     lr: float = 2e-3
@@ -62,6 +71,12 @@ FAMILY = {
                        note="domain-mismatch draft: Python code only, plain CE, no target"),
     "draft-large": Spec(5, 192, 6, 512, teacher="target", init_layers=[0, 1, 2, 4, 5], lr=1e-3, minutes=14,
                         note="expensive draft: target's embedding + layers 0,1,2,4,5, distilled from the target"),
+    # The served family: 576 = 3 x 192 wide (each residual coordinate of `target` tripled), 18 heads of the
+    # same head_dim, ffn 1536 = 3 x 512, two identity layers inserted: 34M parameters, 137 MB of fp32 weights
+    # (4x a 32 MiB L3), starting exactly at `target`'s function.
+    "dram/target": Spec(8, 576, 18, 1536, grow_from="target", new_layers=[3, 6], lr=3e-4, minutes=150,
+                        note="the served target: grown from `target` (Net2Net, function-preserving), trained further "
+                             "on both domains, plain CE"),
 }
 
 
@@ -231,13 +246,16 @@ def train_model(name: str, minutes: float | None, threads: int, eval_every_min=4
         assert teacher.config.vocab_size == model.config.vocab_size
         if spec.init_layers:
             init_from_teacher(model, teacher, spec.init_layers)
+    if spec.grow_from:
+        grow(model, AutoModelForCausalLM.from_pretrained(str(MODELS / spec.grow_from), dtype=torch.float32),
+             spec.new_layers)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
     state = {"step": 0, "elapsed": 0.0, "tokens": 0, "history": []}
     CKPT.mkdir(parents=True, exist_ok=True)
-    ck = CKPT / f"{name}.pt"
+    ck = CKPT / f"{name.replace('/', '_')}.pt"
     if ck.exists() and not fresh:
         c = torch.load(ck, weights_only=False)
         model.load_state_dict(c["model"])
@@ -329,6 +347,55 @@ def init_from_teacher(model, teacher, layers: list):
     log(f"initialised from teacher layers {layers}")
 
 
+def grow(model, small, new_layers: list) -> None:
+    """Initialise ``model`` (wider by an integer factor r, deeper by ``new_layers``) so that it computes
+    exactly ``small``'s logits (Net2WiderNet / Net2DeeperNet, Chen et al. 2016, for a pre-norm Llama):
+
+    - residual stream: coordinate j of the wide model holds the small one's coordinate j % h, so an
+      RMSNorm over it (mean of squares) is unchanged; every norm weight is tiled alike;
+    - a layer's input projections read r copies: the small weight tiled along its input and divided by r;
+      its output projections write every copy: the small weight tiled along its output;
+    - the extra heads and ffn units get fresh weights but zero output columns, so they add nothing yet
+      (their gradients are not zero: they start learning at once);
+    - an inserted layer has zero o_proj and down_proj: an identity block of the residual stream;
+    - tied embedding: tiled, and the final norm divided by r, since logits sum over the r copies.
+    """
+    import torch
+    h, H = small.config.hidden_size, model.config.hidden_size
+    r = H // h
+    assert r * h == H and model.config.head_dim == small.config.head_dim, (h, H)
+
+    def tile(w, dims):  # repeat w r times along each dim in dims
+        reps = [r if d in dims else 1 for d in range(w.dim())]
+        return w.repeat(*reps)
+
+    old_layers = iter(small.model.layers)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(tile(small.model.embed_tokens.weight, {1}))
+        model.model.norm.weight.copy_(tile(small.model.norm.weight, {0}) / r)
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if i in new_layers:
+                attn.o_proj.weight.zero_()
+                mlp.down_proj.weight.zero_()
+                continue
+            old = next(old_layers)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                getattr(layer, norm).weight.copy_(tile(getattr(old, norm).weight, {0}))
+            for new_in, old_in in ((attn.q_proj, old.self_attn.q_proj), (attn.k_proj, old.self_attn.k_proj),
+                                   (attn.v_proj, old.self_attn.v_proj), (mlp.gate_proj, old.mlp.gate_proj),
+                                   (mlp.up_proj, old.mlp.up_proj)):
+                rows = old_in.weight.shape[0]  # the small model's heads / units come first
+                new_in.weight[:rows].copy_(tile(old_in.weight, {1}) / r)
+            for new_out, old_out in ((attn.o_proj, old.self_attn.o_proj), (mlp.down_proj, old.mlp.down_proj)):
+                cols = old_out.weight.shape[1]
+                new_out.weight.zero_()
+                new_out.weight[:, :cols].copy_(tile(old_out.weight, {0}))
+    assert next(old_layers, None) is None, "every layer of the small model is placed"
+    log(f"grown from {small.config.num_hidden_layers} x {h} to {model.config.num_hidden_layers} x {H} "
+        f"(identity layers at {new_layers})")
+
+
 def export(name: str, model, tok, spec: Spec, state: dict):
     """save_pretrained with fp16 weights on disk (half the size) and config dtype float32, so that a
     plain from_pretrained loads fp32 (CPU inference in fp16 is slow)."""
@@ -353,7 +420,7 @@ def export(name: str, model, tok, spec: Spec, state: dict):
 def export_checkpoint(name: str):
     import torch
     from transformers import AutoTokenizer
-    c = torch.load(CKPT / f"{name}.pt", weights_only=False)
+    c = torch.load(CKPT / f"{name.replace('/', '_')}.pt", weights_only=False)
     spec = FAMILY[name]
     tok = AutoTokenizer.from_pretrained(str(DATA / "tokenizer"))
     model = make_model(spec, tok)
