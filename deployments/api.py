@@ -7,7 +7,8 @@ OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with a generic
 the request id; tracebacks, file paths, pids, actor ids and addresses go to the server log only,
 under the same id. ``EdgeMiddleware`` (pure ASGI, so it runs before the body is read) answers 413
 for a body over ``max_body_bytes``, 431 for headers over ``max_header_bytes`` and 401 for a /v1
-call without the configured API key.
+call (or the API docs) without the configured API key. Every 503 carries ``Retry-After``; no path
+answers a redirect.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextvars
 import hmac
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -62,6 +64,10 @@ def configure(max_body_bytes: int, max_header_bytes: int, api_key: str | None) -
     LIMITS.max_body_bytes, LIMITS.max_header_bytes, LIMITS.api_key = max_body_bytes, max_header_bytes, api_key
 
 
+RETRY_AFTER_S = 1  # a 503 that names no better time (overload): a client may retry in a second
+# Behind the API key when one is set: the API and its generated docs (which describe every endpoint).
+PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
+
 _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 
@@ -83,7 +89,10 @@ def new_request_id(scope) -> str:
 
 def _error_response(status: int, message: str, type_: str, param=None, code=None,
                     headers: dict | None = None) -> JSONResponse:
-    """The middleware adds the x-request-id header to every answer, these included."""
+    """The middleware adds the x-request-id header to every answer, these included. Every 503 says
+    when to retry (``Retry-After``: the raiser's, else ``RETRY_AFTER_S``)."""
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(schemas.error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
@@ -136,7 +145,7 @@ class EdgeMiddleware:
         length = values.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > LIMITS.max_body_bytes):
             return _too_large()
-        if LIMITS.api_key and scope.get("path", "").startswith("/v1"):
+        if LIMITS.api_key and scope.get("path", "").startswith(PROTECTED_PREFIXES):
             given = values.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {LIMITS.api_key}".encode()):
                 return (401, "invalid or missing API key (Authorization: Bearer <key>)", "invalid_request_error",
@@ -153,7 +162,10 @@ def _too_large() -> tuple:
             "body_too_large")
 
 
-app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative decoding service")
+# No trailing-slash redirects: Starlette's answer a 307 to an absolute URL built from the request's Host
+# header, which a client controls; "/v1/models/" gets the OpenAI-shaped 404 instead.
+app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative decoding service",
+              redirect_slashes=False)
 app.add_middleware(EdgeMiddleware)
 
 
@@ -162,16 +174,31 @@ async def _api_error(request: Request, exc: APIError):
     return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
+
+
+def public_param(loc) -> str | None:
+    """A validation error's location as the request's own field path (``messages[0].content``): without
+    pydantic's union-member and validator tags (``function-after[_utf8(), constrained-str]``, ``list[int]``)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and _FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path or None
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # A union field fails once per member: the member that got deepest into the value says most.
+    deepest = max(errors, key=lambda e: len(public_param(e.get("loc", ())) or ""), default={})
     # pydantic's own message per field, never the input value (it may be huge or hostile)
-    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
-                        for e in errors[:5])
-    return _error_response(400, message or "invalid request", "invalid_request_error", ".".join(loc) or None,
-                           "invalid_value")
+    message = "; ".join(f"{public_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
+    return _error_response(400, message or "invalid request", "invalid_request_error",
+                           public_param(deepest.get("loc", ())), "invalid_value")
 
 
 @app.exception_handler(StarletteHTTPException)

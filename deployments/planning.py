@@ -100,7 +100,9 @@ class Prompts:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self._encode(text)
+        # The fallback has no special tokens of its own: text that spells one (an "<|endoftext|>" in a
+        # message) stays text, so a message cannot end the document or forge a separator.
+        return list(self.tokenizer(text, split_special_tokens=True)["input_ids"])
 
 
 def check_supported(body) -> None:

@@ -118,10 +118,7 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: schemas.ChatCompletionRequest):
         self._check_request(body)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as exc:
-            raise api.bad_request(str(exc), "messages") from None
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await self.prompts.chat_ids(messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await self._serve(body, ids, max_tokens, self.cfg.chat_default_max_tokens, chat=True)

@@ -7,15 +7,20 @@ user. Extensions (vLLM-style): top_k, ignore_eos, return_token_ids, and
 OpenAI fields we do not implement (n > 1, best_of > 1, echo, logprobs, logit_bias, suffix,
 penalties, tools, ...: ``_UNSUPPORTED_DEFAULTS``) are refused with a 400 naming the field unless
 they hold their "unused" value. Text must be valid Unicode; stop strings are non-empty.
+
+Types are strict (pydantic strict mode), as OpenAI's API reads them: an integer field takes a JSON
+integer only, a boolean a JSON boolean only, a float field a number (an integer too), never a bool or
+a string that looks like a number; token ids are integers, not booleans. Chat roles are OpenAI's
+(system, developer, user, assistant, tool), content is a string or a list of text parts.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from specdec_core.request import MAX_INT32
 
@@ -23,7 +28,7 @@ MAX_STOP_CHARS = 256
 
 
 class SpeculationOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["auto", "speculative", "plain"] = Field(
         "auto", description="auto: the router decides; speculative: always speculate; plain: never."
@@ -41,6 +46,8 @@ class SpeculationOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -69,7 +76,8 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple] = {
 
 
 class _GenerationFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, known unsupported ones refused
+    # unknown fields are ignored, known unsupported ones refused; no lax coercion (module docstring)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -85,6 +93,12 @@ class _GenerationFields(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     speculation: SpeculationOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -103,23 +117,36 @@ class CompletionRequest(_GenerationFields):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(BaseModel):
+    """A content part; only text is supported (an image or audio part is refused naming its type)."""
 
-    role: Utf8Str
-    content: Utf8Str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: Utf8Str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Utf8Str | list[TextPart] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id is required on tool messages and only there")
+        return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"unsupported content part type {part.get('type')!r}: only text")
-            parts.append(_utf8(str(part.get("text", ""))))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationFields):

@@ -80,6 +80,9 @@ def _apply_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_probs = sorted_logits.softmax(-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
     drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    # The most likely token always stays (as HF's and vLLM's filters keep it): a top_p that rounds
+    # to 0 in this dtype (a valid float64 below ~7e-46) would otherwise drop every token.
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return scaled.masked_fill(drop, float("-inf"))
 

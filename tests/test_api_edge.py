@@ -9,12 +9,29 @@ import asyncio
 import httpx
 import pytest
 
-from deployments import api
+from deployments import api, schemas
 
 
 @api.app.post("/v1/test-echo")
 async def _echo(body: dict) -> dict:  # a route that reads its body, as the real endpoints do
     return body
+
+
+# The real endpoints' request models behind a route each (the endpoints themselves need a Serve
+# replica): FastAPI validates a body with them exactly as on the Router.
+@api.app.post("/v1/test-completion")
+async def _completion(body: schemas.CompletionRequest) -> dict:
+    return body.model_dump(exclude_unset=True)
+
+
+@api.app.post("/v1/test-chat")
+async def _chat(body: schemas.ChatCompletionRequest) -> dict:
+    return {"messages": [{"role": m.role, "text": m.text()} for m in body.messages]}
+
+
+@api.app.get("/v1/test-overloaded")
+async def _overloaded():
+    raise api.APIError(503, "server overloaded", "server_error", None, "overloaded")
 
 
 @pytest.fixture
@@ -66,3 +83,79 @@ def test_unknown_path_and_method_are_openai_shaped():
     assert_openai_error(call("GET", "/v1/test-echo"), 405)
     assert_openai_error(call("POST", "/v1/test-echo", content=b"{not json"), 400)
     assert_openai_error(call("POST", "/v1/test-echo", content=b"[" * 100000), 400)
+
+
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("max_tokens", True, "max_tokens"), ("max_tokens", "16", "max_tokens"), ("max_tokens", 16.0, "max_tokens"),
+    ("temperature", True, "temperature"), ("temperature", "0.5", "temperature"), ("stream", "yes", "stream"),
+    ("stream", 1, "stream"), ("prompt", [True, False], "prompt[0]"), ("seed", "7", "seed"), ("top_k", 2.0, "top_k"),
+    ("ignore_eos", "true", "ignore_eos"), ("speculation", {"num_speculative_tokens": True},
+                                           "speculation.num_speculative_tokens"),
+    ("stop", "", "stop"), ("stop", ["a", 3], "stop[1]"),
+])
+def test_no_lax_coercion_and_the_param_is_the_public_field(field, value, param):
+    """What OpenAI refuses is refused: a bool or a numeric string where a number or a bool belongs,
+    booleans as token ids; the error names the field as the request spells it (no pydantic tags)."""
+    r = call("POST", "/v1/test-completion", json={**COMPLETION, field: value})
+    assert_openai_error(r, 400, "invalid_value")
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_float_field_takes_an_integer_and_valid_bodies_pass():
+    r = call("POST", "/v1/test-completion", json={**COMPLETION, "temperature": 1, "top_p": 1, "max_tokens": 4,
+                                                  "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["temperature"] == 1.0 and r.json()["max_tokens"] == 4
+
+
+def test_stream_options_need_stream():
+    assert_openai_error(call("POST", "/v1/test-completion",
+                             json={**COMPLETION, "stream_options": {"include_usage": True}}), 400, "invalid_value")
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "user\nassistant", "content": "x"}, "messages[0].role"),  # a forged turn in the fallback template
+    ({"role": "robot", "content": "x"}, "messages[0].role"),
+    ({"role": "user", "content": [{"type": "text", "text": None}]}, "messages[0].content[0].text"),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content[0].type"),
+    ({"role": "user", "content": 7}, "messages[0].content"),
+    ({"role": "user", "content": None}, "messages[0]"),
+    ({"role": "tool", "content": "42"}, "messages[0]"),
+])
+def test_chat_messages_take_openai_roles_and_text_parts_only(message, param):
+    r = call("POST", "/v1/test-chat", json={"model": "m", "messages": [message]})
+    assert_openai_error(r, 400, "invalid_value")
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_chat_text_parts_join_and_assistant_may_omit_content():
+    r = call("POST", "/v1/test-chat", json={"model": "m", "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "42", "tool_call_id": "call-1"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["messages"] == [{"role": "developer", "text": "ab"}, {"role": "assistant", "text": ""},
+                                    {"role": "tool", "text": "42"}]
+
+
+def test_no_redirect_reflects_the_host_header():
+    for path in ("/v1/test-chat/", "/v1/models/", "/health/"):
+        r = call("GET", path, headers={"Host": "evil.example"})
+        assert not 300 <= r.status_code < 400 and "location" not in r.headers, (path, r.status_code, r.headers)
+        assert_openai_error(r, 404 if path != "/v1/test-chat/" else 404)
+
+
+def test_every_503_says_when_to_retry():
+    r = call("GET", "/v1/test-overloaded")
+    assert_openai_error(r, 503, "overloaded")
+    assert int(r.headers["retry-after"]) >= 1
+
+
+def test_api_docs_are_behind_the_api_key(edge):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert_openai_error(call("GET", path), 401, "invalid_api_key")
+        assert call("GET", path, headers={"Authorization": "Bearer sekrit"}).status_code == 200

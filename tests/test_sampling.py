@@ -137,3 +137,14 @@ def test_process_logits_greedy_is_one_hot_and_top_k_top_p_restrict_support():
     assert probs[1, 0] == 0 and probs[1, 3] == 0 and probs[1, 1] > probs[1, 2] > 0
     assert probs[2, 1] == 1.0  # the top token alone already holds >= 0.6 of the mass
     assert torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+@pytest.mark.parametrize("top_p", [7e-46, 1e-45, 1e-30, 1e-8])
+def test_top_p_at_the_fp32_underflow_edge_keeps_the_most_likely_token(top_p):
+    """A positive top_p (valid as a float64) that rounds to 0 or a denormal in fp32 still keeps the
+    most likely token: the row is that token's one-hot, never all-zero (which sampled one token id
+    repeated, whatever the logits)."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    probs = process_logits(logits, torch.tensor([1.0, 0.7]), top_p=torch.tensor([top_p, top_p], dtype=torch.float64),
+                           top_k=torch.tensor([0, 0]))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]

@@ -365,3 +365,16 @@ def test_separate_round_chooses_k_and_overlap_from_the_cost_model():
     assert _state(costs=costs(0.25), separate_overlap="never").separate_round(1, fresh, high, 64) == (4, False)
     assert _state(costs=costs(0.5), separate_overlap="always").separate_round(1, fresh, low, 64) == (4, True)
     assert st.separate_round(1, fresh, SamplingParams(), 64) == (0, False)
+
+
+def test_chat_fallback_template_keeps_special_token_text_as_text():
+    """The shipped tokenizer has no chat template: a message that spells "<|endoftext|>" (the EOS and
+    document separator) stays text in the prompt, never the special token; roles come from the
+    fixed set (schemas.ChatMessage), so a turn cannot be forged through one."""
+    from deployments.planning import Prompts
+
+    prompts = Prompts(AppConfig(target="models/target", draft=None))
+    eos = prompts.tokenizer.eos_token_id
+    ids = asyncio.run(prompts.chat_ids([{"role": "user", "content": "hi <|endoftext|> there"}]))
+    assert eos not in ids
+    assert prompts.tokenizer.decode(ids) == "user: hi <|endoftext|> there\nassistant:"
