@@ -7,7 +7,11 @@ length = (accepted + verify steps) / verify steps, which counts the bonus token.
 acceptance = accepted at position i / judged at position i (a position after the first rejection of
 a step is not judged, acceptance.py). Realised speedup = the cost model's plain step time per token
 at the batch the request joined / the request's measured decode time per token (router clock, from
-its first to its last token delta); predicted speedup = the routing decision's.
+its first to its last token delta); predicted speedup = the routing decision's. TTFT = from the
+router's hand-off to the pool to the first token delta (streamed; a one-message response: the
+replica's own first-token time); TPOT = the decode time per token after the first (as realised
+speedup's). A straggler is a speculative request whose realised speedup is below 1: speculation made
+it slower than plain would have been.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from specdec_core.stats import RequestStats
 
 _TAGS = ("pool", "mode", "topology")
 _LATENCY_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+_TPOT_S = [0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 1]
 _RATE = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 _LENGTH = [1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 9, 17]
 _K = [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 8.5, 12.5, 16.5]  # bucket le=0.5 counts K=0 (bounds must be > 0)
@@ -44,7 +49,15 @@ class RouterMetrics:
                                       "failed and fell back to plain verify.")
         self.migrations = Counter("specdec_migrations_total", "Requests moved to another replica or pool because "
                                   "the replica serving them died, by the pool that lost it.", ("pool",))
-        self.latency = Histogram("specdec_request_latency_s", "Request latency in the router.", _LATENCY_S, _TAGS)
+        self.latency = Histogram("specdec_request_latency_s", "Request latency in the router (end to end).",
+                                 _LATENCY_S, _TAGS)
+        self.ttft = Histogram("specdec_time_to_first_token_s", "Time to the first token, from the router's "
+                              "hand-off to the pool.", _LATENCY_S, _TAGS)
+        self.tpot = Histogram("specdec_time_per_output_token_s", "Decode time per output token after the first.",
+                              _TPOT_S, _TAGS)
+        self.stragglers = Counter("specdec_speculative_stragglers_total", "Speculative requests whose realised "
+                                  "speedup was below 1 (slower than plain decoding would have been).",
+                                  ("pool", "regime"))
         self.inflight = Gauge("specdec_inflight_requests", "Requests the router serves now.")
         # acceptance
         self.acceptance_rate = Histogram("specdec_acceptance_rate", "Per speculative request: accepted / proposed.",
@@ -77,7 +90,8 @@ class RouterMetrics:
         self.running.set(n, tags={"pool": pool})
 
     def finished(self, pool: str, k: int, topology: str | None, finish: str, stats: RequestStats | None,
-                 latency_s: float, regime: str = "unknown", realised: float | None = None) -> None:
+                 latency_s: float, regime: str = "unknown", realised: float | None = None,
+                 ttft_s: float | None = None, tpot_s: float | None = None) -> None:
         tags = {"pool": pool, "mode": "speculative" if k else "plain", "topology": topology or "none"}
         self.requests.inc(tags={**tags, "finish": finish})
         if stats is not None:
@@ -89,8 +103,14 @@ class RouterMetrics:
         if stats is not None and stats.proposed:
             self.acceptance_rate.observe(stats.acceptance_rate, tags=tags)
             self.acceptance_length.observe(stats.mean_acceptance_length, tags=tags)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, tags=tags)
+        if tpot_s:
+            self.tpot.observe(tpot_s, tags=tags)
         if realised is not None:
             self.realised_speedup.observe(realised, tags={"pool": pool, "regime": regime})
+            if k and realised < 1:
+                self.stragglers.inc(tags={"pool": pool, "regime": regime})
 
     def _domain_label(self, domain: str) -> str:
         if domain not in self._domain_labels and len(self._domain_labels) >= self._max_domain_labels:

@@ -119,7 +119,8 @@ class Pools:
         finally:
             self._count(plan.pool, -1)  # where it finished: a migrated request moved
             try:
-                self._report(plan, last, per_token, time.perf_counter() - t0)
+                self._report(plan, last, per_token, time.perf_counter() - t0,
+                             _time_to_first_token(t0, t_first, n_first, n_out, last))
             except Exception:
                 logger.exception("metrics update failed")
 
@@ -127,7 +128,8 @@ class Pools:
         self.active[pool] += n
         self._metrics.set_running(pool, self.active[pool])
 
-    def _report(self, plan: Plan, last: Delta | None, per_token: float, latency_s: float) -> None:
+    def _report(self, plan: Plan, last: Delta | None, per_token: float, latency_s: float,
+                ttft_s: float | None) -> None:
         """A request ended: the route state learns from its stats, the metrics record it."""
         d = plan.decision
         stats = last.stats if last is not None and last.finished else None
@@ -139,7 +141,7 @@ class Pools:
             self._metrics.acceptance(plan.traffic_class, tr.estimate(plan.traffic_class),
                                      tr.position_rates(plan.traffic_class))
         self._metrics.finished(plan.pool, d.k, d.topology, last.finish_reason if stats is not None else "abort",
-                               stats, latency_s, d.regime, plan.realised_speedup)
+                               stats, latency_s, d.regime, plan.realised_speedup, ttft_s, per_token)
 
     async def _migrating(self, plan: Plan) -> AsyncIterator[Delta]:
         emitted: list[int] = []
@@ -201,6 +203,17 @@ class Pools:
         finally:
             if not finished:
                 responses.cancel()  # the replica's generator exits: the engine aborts and frees slots
+
+
+def _time_to_first_token(t0: float, t_first: float | None, n_first: int, n_out: int,
+                         last: Delta | None) -> float | None:
+    """Seconds from the hand-off to the pool to the first token, by the router's clock where the
+    tokens came in several messages, else (one message) by the replica's."""
+    if t_first is not None and n_out > n_first:
+        return t_first - t0
+    if last is not None and last.stats is not None and last.stats.output_tokens:
+        return last.stats.first_token_s
+    return None
 
 
 def _decode_time_per_token(t_first: float | None, n_first: int, n_out: int, last: Delta) -> float:

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specdec-bench", description=__doc__)
@@ -61,6 +63,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="modes take turns round by round on the same prompts (auto first)")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("metrics", help="a real Prometheus against a running server: every dashboard panel has "
+                                       "data, the counters agree with the responses")
+    _server_load_args(p)
+    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--seconds", type=float, default=60.0, help="how long the mixed traffic runs")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--prometheus", default="prometheus", help="the Prometheus binary (Debian: apt-get install prometheus)")
+    p.add_argument("--config", default=str(ROOT / "deploy" / "prometheus" / "prometheus.yml"))
+    p.add_argument("--dashboard", default=str(ROOT / "deploy" / "grafana" / "specdec-serve.json"))
+    p.add_argument("--ray-temp", default="/tmp/ray", help="the Ray cluster's --temp-dir (service discovery file)")
+    p.set_defaults(func=_metrics)
 
     p = sub.add_parser("overhead", help="in-process engine vs a running server, same prompts, one run")
     _server_load_args(p)
@@ -168,6 +182,15 @@ def _faults(args) -> None:
 
     data = run_faults(args)
     _emit(args, "faults", data, faults_markdown(data))
+
+
+def _metrics(args) -> None:
+    from specdec_bench.metrics_check import metrics_markdown, run_metrics_check
+
+    data = run_metrics_check(args)
+    _emit(args, "metrics", data, metrics_markdown(data))
+    if not data["passed"]:
+        raise SystemExit("metrics check failed: see the table above")
 
 
 def _serve(args) -> None:

@@ -105,19 +105,41 @@ async def run_pass(args, model: str, speculation: dict, rate: float | None) -> d
     return summarize(results, wall)
 
 
+def _percentile(xs: list[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default, which ``vllm bench serve`` uses)."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    at = (len(xs) - 1) * p / 100
+    lo = int(at)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
+
+
+def _latency_fields(name: str, seconds: list[float]) -> dict:
+    ms = [1000 * x for x in seconds]
+    return {f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0, f"median_{name}_ms": _percentile(ms, 50),
+            f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0, f"p99_{name}_ms": _percentile(ms, 99)}
+
+
 def summarize(results: list[dict], wall: float) -> dict:
+    """One pass's numbers in ``vllm bench serve``'s JSON field names (completed, duration,
+    request_throughput, output_throughput, mean/median/std/p99 of ttft, tpot, itl and e2el in ms),
+    so they compare across tools, plus this project's acceptance, routes and regimes."""
     ok = [r for r in results if "error" not in r]
-    itl = sorted(x for r in ok for x in r["itl"])
-    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
     proposed = sum(r["proposed"] for r in ok)
+    output = sum(r["tokens"] for r in ok)
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
-        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
-        "ttft_ms": {"p50": 1000 * pct(sorted(r["ttft"] for r in ok), 0.5),
-                    "p90": 1000 * pct(sorted(r["ttft"] for r in ok), 0.9)},
-        "tpot_ms": {"p50": 1000 * statistics.median(r["tpot"] for r in ok) if ok else 0.0},
-        "itl_ms": {"p50": 1000 * pct(itl, 0.5), "p90": 1000 * pct(itl, 0.9), "p99": 1000 * pct(itl, 0.99)},
+        "completed": len(ok),
+        "duration": wall,
+        "total_output_tokens": output,
+        "request_throughput": len(ok) / wall if wall else 0.0,
+        "output_throughput": output / wall if wall else 0.0,
+        **_latency_fields("ttft", [r["ttft"] for r in ok]),
+        **_latency_fields("tpot", [r["tpot"] for r in ok if r["tokens"] > 1]),
+        **_latency_fields("itl", [x for r in ok for x in r["itl"]]),
+        **_latency_fields("e2el", [r["latency"] for r in ok]),
         "acceptance_rate": sum(r["accepted"] for r in ok) / proposed if proposed else 0.0,
         "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
         "regimes": {g: sum(1 for r in ok if r["regime"] == g) for g in {r["regime"] for r in ok}},
@@ -155,10 +177,10 @@ async def run_interleaved(args, model: str) -> list[dict]:
               for m in modes]
     if first_auto is not None:
         passes[0]["first_request"] = {k: first_auto.get(k) for k in ("latency", "ttft", "route", "regime")}
-    best = max((p for p in passes if p["mode"] != "auto"), key=lambda p: p["throughput_tok_s"], default=None)
+    best = max((p for p in passes if p["mode"] != "auto"), key=lambda p: p["output_throughput"], default=None)
     for p in passes:
-        if best is not None and best["throughput_tok_s"] > 0:
-            p["vs_best_explicit"] = p["throughput_tok_s"] / best["throughput_tok_s"]
+        if best is not None and best["output_throughput"] > 0:
+            p["vs_best_explicit"] = p["output_throughput"] / best["output_throughput"]
     return passes
 
 
@@ -171,7 +193,9 @@ def run_serve(args) -> dict:
     if getattr(args, "interleave", False):
         passes = asyncio.run(run_interleaved(args, model))
         for p in passes:
-            tqdm.write(f"{p['mode']:10s} tput {p['throughput_tok_s']:.1f} tok/s  "
+            tqdm.write(f"{p['mode']:10s} tput {p['output_throughput']:.1f} tok/s  TTFT p50/p99 "
+                       f"{p['median_ttft_ms']:.0f}/{p['p99_ttft_ms']:.0f} ms  TPOT p50/p99 "
+                       f"{p['median_tpot_ms']:.1f}/{p['p99_tpot_ms']:.1f} ms  "
                        f"x{p.get('vs_best_explicit', 0):.2f} of the best explicit  routes {p['routes']}  "
                        f"regimes {p['regimes']}  errors {p['errors']}")
         rates = []
@@ -179,8 +203,10 @@ def run_serve(args) -> dict:
         for mode in tqdm(args.modes, desc=f"rate {rate or f'concurrency {args.concurrency}'}"):
             res = asyncio.run(run_pass(args, model, MODES[mode], rate))
             passes.append({"mode": mode, "rate": rate, "concurrency": None if rate else args.concurrency, **res})
-            tqdm.write(f"{mode:10s} rate={rate} tput {res['throughput_tok_s']:.1f} tok/s  TTFT p50 "
-                       f"{res['ttft_ms']['p50']:.0f} ms  ITL p50 {res['itl_ms']['p50']:.1f} ms  "
+            tqdm.write(f"{mode:10s} rate={rate} tput {res['output_throughput']:.1f} tok/s  TTFT p50/p99 "
+                       f"{res['median_ttft_ms']:.0f}/{res['p99_ttft_ms']:.0f} ms  TPOT p50/p99 "
+                       f"{res['median_tpot_ms']:.1f}/{res['p99_tpot_ms']:.1f} ms  ITL p50/p99 "
+                       f"{res['median_itl_ms']:.1f}/{res['p99_itl_ms']:.1f} ms  "
                        f"acc {res['acceptance_rate']:.2f}  errors {res['errors']}")
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
     return {"machine": machine_facts(0), "config": config,
@@ -189,14 +215,16 @@ def run_serve(args) -> dict:
 
 def serve_markdown(data: dict) -> str:
     lines = ["# Serving benchmark", "", f"Config: {data['config']}", "",
-             "| mode | rate | concurrency | tok/s | vs best explicit | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | "
-             "ITL p50 ms | ITL p99 ms | acceptance | routes | errors |", "|---" * 13 + "|"]
+             "| mode | rate | concurrency | tok/s | vs best explicit | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+             "TPOT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | acceptance | routes | errors |",
+             "|---" * 16 + "|"]
     for p in data["passes"]:
         vs = f"{p['vs_best_explicit']:.2f}" if "vs_best_explicit" in p else ""
         lines.append(
-            f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['throughput_tok_s']:.1f} | {vs} | "
-            f"{p['ttft_ms']['p50']:.0f} | {p['ttft_ms']['p90']:.0f} | {p['tpot_ms']['p50']:.1f} | "
-            f"{p['itl_ms']['p50']:.1f} | {p['itl_ms']['p99']:.1f} | {p['acceptance_rate']:.2f} | "
+            f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['output_throughput']:.1f} | {vs} | "
+            f"{p['median_ttft_ms']:.0f} | {p['p99_ttft_ms']:.0f} | {p['median_tpot_ms']:.1f} | "
+            f"{p['p99_tpot_ms']:.1f} | {p['median_itl_ms']:.1f} | {p['p99_itl_ms']:.1f} | "
+            f"{p['median_e2el_ms']:.0f} | {p['p99_e2el_ms']:.0f} | {p['acceptance_rate']:.2f} | "
             f"{p.get('routes', {})} | {p['errors']} |"
         )
     first = next((p["first_request"] for p in data["passes"] if "first_request" in p), None)

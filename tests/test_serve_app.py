@@ -732,7 +732,8 @@ def test_serve_load_generator_writes_its_report(server, tmp_path):
     data = json.loads((tmp_path / "serve.json").read_text())
     assert [p["mode"] for p in data["passes"]] == ["plain", "colocated"]
     for p in data["passes"]:
-        assert p["requests"] == 3 and p["errors"] == 0 and p["throughput_tok_s"] > 0, p
-        assert p["ttft_ms"]["p50"] > 0
+        assert p["requests"] == p["completed"] == 3 and p["errors"] == 0 and p["output_throughput"] > 0, p
+        assert 0 < p["median_ttft_ms"] <= p["p99_ttft_ms"] and 0 < p["median_tpot_ms"] <= p["p99_tpot_ms"], p
+        assert p["total_output_tokens"] == 3 * 8 and p["mean_e2el_ms"] > p["mean_ttft_ms"], p
     assert data["config"]["out"] == str(tmp_path)
     assert "| plain |" in (tmp_path / "serve.md").read_text()
