@@ -11,14 +11,22 @@ t_T(b, q) for b in --batches, q = K+1 in --qs, and t_D(b)) and writes a JSON rec
 A file holds one record or ``{"calibrations": [record, ...]}`` (a new run replaces the record of
 the same pair and device). ``EngineReplica`` loads it through the config key ``calibration_file``
 when target, draft and device match, instead of calibrating at start-up.
+
+Without a file, a replica that calibrates at start-up keeps the result in a per-host cache
+(``calibration_cache``; ``~/.cache/specdec-serve/``, or ``SPECDEC_CALIBRATION_CACHE``), keyed by
+everything the costs depend on: both models' weight files (path, size, mtime), device, dtype,
+torch threads and version, the grid, and the host (name, CPU model, cores). A restart on the same
+host with the same models loads it; anything else calibrates again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -80,6 +88,58 @@ def save_calibration(path: str | os.PathLike, rec: dict) -> None:
         keep = [r for r in _records(path) if _key(r["target"], r.get("draft"), r.get("device", "cpu")) != mine]
     out = rec if not keep else {"calibrations": keep + [rec]}
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
+CACHE_DIR = Path(os.environ.get("SPECDEC_CALIBRATION_CACHE", Path.home() / ".cache" / "specdec-serve"))
+
+
+def _weights(path: str | None) -> list:
+    """(name, size, mtime) of a local model's weight files: retrained weights at the same path are new."""
+    if path is None or not Path(path).is_dir():
+        return [path]
+    return [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in sorted(Path(path).resolve().glob("*.safetensors"))]
+
+
+def _host() -> list:
+    try:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "")
+    except OSError:
+        cpu = platform.processor()
+    return [platform.node(), cpu, os.cpu_count()]
+
+
+def cache_key(target: str, draft: str | None, device, dtype, **grid) -> str:
+    """The start-up calibration's cache key on this host (module docstring)."""
+    import torch
+
+    t, d, dev = _key(target, draft, device)
+    parts = [t, _weights(t), d, _weights(d), dev, str(dtype), torch.get_num_threads(), torch.__version__,
+             sorted(grid.items()), _host()]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def cached(key: str) -> tuple[StepCosts, StepCosts | None] | None:
+    """The greedy and sampled costs cached under ``key`` on this host, or None."""
+    path = CACHE_DIR / f"calibration-{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        return StepCosts.from_dict(data["greedy"]), (StepCosts.from_dict(data["sampled"]) if data["sampled"] else None)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def store(key: str, greedy: StepCosts, sampled: StepCosts | None) -> None:
+    """Cache a start-up calibration (written whole, then renamed: replicas starting together never
+    read half a file)."""
+    try:
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE_DIR / f".calibration-{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"greedy": greedy.to_dict(), "sampled": sampled.to_dict() if sampled else None,
+                                   "created": time.time()}))
+        tmp.replace(CACHE_DIR / f"calibration-{key}.json")
+    except OSError:
+        logger.warning("could not cache the calibration in %s", CACHE_DIR, exc_info=True)
 
 
 def main(argv: list[str] | None = None) -> None:

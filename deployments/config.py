@@ -141,6 +141,10 @@ class AppConfig(BaseModel):
     calibration_file: str | None = Field(None, description="Calibration JSON (`specdec-calibrate`); a co-located "
                                          "replica uses its record for this target/draft/device instead of "
                                          "calibrating at start-up.")
+    calibration_cache: bool = Field(True, description="A co-located replica that calibrates at start-up keeps "
+                                    "the costs in a per-host cache (~/.cache/specdec-serve, keyed by the models' "
+                                    "weight files, device, dtype, torch, the grid and the host): a restart on the "
+                                    "same host loads them (the served family's calibration takes ~50 s on 2 vCPUs).")
     calibrate_on_start: bool = Field(True, description="Co-located replicas without a matching calibration record "
                                      "time their step costs at start-up (a few seconds on CPU); off: no adaptive "
                                      "K in the replica and the router keeps its prior cost table.")

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import torch
 from ray import serve
 
-from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, device_kind, load_calibration
+from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, cache_key, cached, device_kind, load_calibration, store
 from deployments.config import AppConfig, model_label
 from deployments.messages import Delta, EngineStats, GenerateRequest, ReplicaCosts
 from specdec_core import AsyncEngine, Engine
@@ -64,9 +64,16 @@ class EngineReplica:
             batches = tuple(b for b in DEFAULT_BATCHES if b <= cfg.max_batch_size)
             qs = tuple(q for q in DEFAULT_QS if q <= cfg.k_max + 1)
             grid = {"batches": batches, "qs": qs, "long_context_len": cfg.max_model_len // 2}
-            self._costs = calibrate(engine, **grid)
-            sampled = calibrate(engine, **grid, temperature=1.0)
-            self._costs_source = f"calibrated:{device}"
+            key = cache_key(cfg.target, cfg.draft, device, cfg.dtype, **grid)
+            hit = cached(key) if cfg.calibration_cache else None
+            if hit is not None:
+                (self._costs, sampled), self._costs_source = hit, f"cached:{device}"
+            else:
+                self._costs = calibrate(engine, **grid)
+                sampled = calibrate(engine, **grid, temperature=1.0)
+                self._costs_source = f"calibrated:{device}"
+                if cfg.calibration_cache:
+                    store(key, self._costs, sampled)
         if self._costs is None:
             logger.warning("EngineReplica(%s): no step costs; adaptive K off", self.pool)
             return

@@ -4,6 +4,7 @@ goes through the real ``from_pretrained`` loading code."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray's token authentication on, as ./run has it (SECURITY.md); set before anything imports Ray, which
 # reads the mode once per process. ray.init() then generates the token for a new local cluster.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# Start-up calibrations of the suite's models stay in a cache of the run's own (deployments/calibrate.py).
+os.environ.setdefault("SPECDEC_CALIBRATION_CACHE", tempfile.mkdtemp(prefix="specdec-calibration-"))
 torch.set_num_threads(1)
 
 _CORPUS = [

@@ -499,7 +499,8 @@ def test_metrics_on_prometheus_endpoint(server, client):
     complete(client, user="regime-metrics")
     want = ("ray_specdec_route_decisions_total", "ray_specdec_acceptance_rate", "ray_specdec_chosen_k",
             "ray_specdec_predicted_speedup", "ray_specdec_realised_speedup", "ray_specdec_output_tokens_total",
-            "ray_specdec_pool_running", "ray_specdec_position_acceptance_rate")
+            "ray_specdec_pool_running", "ray_specdec_position_acceptance_rate",
+            "ray_specdec_time_to_first_token_s_bucket", "ray_specdec_time_per_output_token_s_bucket")
     deadline, text = time.time() + 30, ""
     while time.time() < deadline:
         try:

@@ -378,3 +378,28 @@ def test_chat_fallback_template_keeps_special_token_text_as_text():
     ids = asyncio.run(prompts.chat_ids([{"role": "user", "content": "hi <|endoftext|> there"}]))
     assert eos not in ids
     assert prompts.tokenizer.decode(ids) == "user: hi <|endoftext|> there\nassistant:"
+
+
+def test_startup_calibration_cache_is_keyed_by_weights_and_grid(tmp_path, monkeypatch, tiny_models):
+    """A cached calibration comes back for the same models and grid on this host; new weights at the
+    same path (or another grid) miss, so a retrained model is never priced by its predecessor's costs."""
+    import os
+    import time
+
+    from deployments import calibrate
+
+    monkeypatch.setattr(calibrate, "CACHE_DIR", tmp_path)
+    grid = {"batches": (1, 2), "qs": (1, 5), "long_context_len": 64}
+    key = calibrate.cache_key(tiny_models["target"], tiny_models["draft"], "cpu", None, **grid)
+    assert calibrate.cached(key) is None
+    costs = _compute_bound_costs()
+    calibrate.store(key, costs, None)
+    greedy, sampled = calibrate.cached(key)
+    assert greedy.to_dict() == costs.to_dict() and sampled is None
+    assert calibrate.cache_key(tiny_models["target"], tiny_models["draft"], "cpu", None, **grid) == key
+    assert calibrate.cache_key(tiny_models["target"], tiny_models["draft"], "cpu", None,
+                               **{**grid, "qs": (1, 3)}) != key
+    weights = next(p for p in os.scandir(tiny_models["target"]) if p.name.endswith(".safetensors"))
+    later = time.time() + 10
+    os.utime(weights.path, (later, later))  # retrained in place
+    assert calibrate.cache_key(tiny_models["target"], tiny_models["draft"], "cpu", None, **grid) != key
