@@ -1,7 +1,8 @@
 """The HTTP edge of the router: the FastAPI app, OpenAI-shaped errors, and the checks that run
 before a request body is read.
 
-Every answer carries an ``x-request-id`` header. Every error, whatever raised it (our validation,
+Every answer carries one ``x-request-id`` header, an id the server made (Serve's HTTP server adds it
+and this app adopts it; a client's own id is logged beside it, ``deployments/proxy_edge.py``). Every error, whatever raised it (our validation,
 pydantic, a body that does not parse, an unknown path or method, a failure inside the stack), is
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with a generic message that names
 the request id; tracebacks, file paths, pids, actor ids and addresses go to the server log only,
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import schemas
+from deployments.proxy_edge import CLIENT_REQUEST_ID
 
 logger = logging.getLogger("ray.serve")
 
@@ -80,11 +82,16 @@ def request_id_of(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id") or current_request_id()
 
 
-def new_request_id(scope) -> str:
-    rid = uuid.uuid4().hex
+def new_request_id(scope) -> tuple[str, bool]:
+    """The request's id and whether this app must send it: behind Serve's HTTP server, its
+    ``RequestIdMiddleware`` has put the id (server-made: ``deployments/proxy_edge.py`` moved a
+    client's aside) in the request headers and adds it to the response itself, so one answer carries
+    one id; on its own, this app makes one."""
+    given = dict(scope.get("headers", [])).get(b"x-request-id")
+    rid = given.decode("latin-1") if given else uuid.uuid4().hex
     scope.setdefault("state", {})["request_id"] = rid
     _REQUEST_ID.set(rid)
-    return rid
+    return rid, not given
 
 
 def _error_response(status: int, message: str, type_: str, param=None, code=None,
@@ -106,10 +113,13 @@ class EdgeMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = new_request_id(scope)
+        rid, send_id = new_request_id(scope)
+        client_id = dict(scope.get("headers", [])).get(CLIENT_REQUEST_ID)
+        if client_id:
+            logger.info("request %s: client request id %r", rid, client_id[:128].decode("latin-1"))
 
         async def send_with_id(message):
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start" and send_id:
                 message["headers"] = list(message.get("headers", [])) + [(b"x-request-id", rid.encode())]
             await send(message)
 

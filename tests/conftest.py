@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray's token authentication on, as ./run has it (SECURITY.md); set before anything imports Ray, which
 # reads the mode once per process. ray.init() then generates the token for a new local cluster.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "deployments.proxy_edge:middlewares")  # as ./run
 # Start-up calibrations of the suite's models stay in a cache of the run's own (deployments/calibrate.py).
 os.environ.setdefault("SPECDEC_CALIBRATION_CACHE", tempfile.mkdtemp(prefix="specdec-calibration-"))
 torch.set_num_threads(1)

@@ -159,3 +159,31 @@ def test_api_docs_are_behind_the_api_key(edge):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert_openai_error(call("GET", path), 401, "invalid_api_key")
         assert call("GET", path, headers={"Authorization": "Bearer sekrit"}).status_code == 200
+
+
+def test_behind_serve_the_servers_request_id_is_adopted_not_doubled():
+    """Serve's HTTP server puts its request id in the request and on the response: the app uses that
+    id and adds no second header; on its own (no such header) it makes one."""
+    behind = call("GET", "/v1/models-nowhere", headers={"x-request-id": "serve-made-id"})
+    assert behind.status_code == 404 and behind.headers.get_list("x-request-id") == []
+    alone = call("GET", "/v1/models-nowhere")
+    assert len(alone.headers.get_list("x-request-id")) == 1
+
+
+def test_proxy_middleware_moves_a_clients_request_id_aside():
+    from deployments.proxy_edge import ClientRequestIdMiddleware
+
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen.update(dict(scope["headers"]))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def go():
+        transport = httpx.ASGITransport(app=ClientRequestIdMiddleware(app))
+        async with httpx.AsyncClient(transport=transport, base_url="http://edge") as c:
+            return await c.get("/", headers={"X-Request-ID": "mine"})
+
+    assert asyncio.run(go()).status_code == 204
+    assert b"x-request-id" not in seen and seen[b"x-client-request-id"] == b"mine"

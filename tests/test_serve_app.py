@@ -200,6 +200,18 @@ def test_health_models(client):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
 
 
+def test_one_request_id_per_answer_and_it_is_the_servers(client):
+    """Every answer carries exactly one x-request-id, made by the server: a client's own id does not
+    become the request's (it could reuse one, or another client's), and no path redirects."""
+    for headers in ({}, {"x-request-id": "client-chosen"}):
+        for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models/"),
+                             ("POST", "/v1/completions")):
+            r = client.request(method, path, headers=headers, json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            ids = r.headers.get_list("x-request-id")
+            assert len(ids) == 1 and ids[0] != "client-chosen", (path, r.status_code, r.headers)
+            assert not 300 <= r.status_code < 400, (path, r.status_code)
+
+
 def test_completion_and_chat_httpx(client):
     out = complete(client, max_tokens=8)
     choice = out["choices"][0]
@@ -735,6 +747,6 @@ def test_serve_load_generator_writes_its_report(server, tmp_path):
     for p in data["passes"]:
         assert p["requests"] == p["completed"] == 3 and p["errors"] == 0 and p["output_throughput"] > 0, p
         assert 0 < p["median_ttft_ms"] <= p["p99_ttft_ms"] and 0 < p["median_tpot_ms"] <= p["p99_tpot_ms"], p
-        assert p["total_output_tokens"] == 3 * 8 and p["mean_e2el_ms"] > p["mean_ttft_ms"], p
+        assert 0 < p["total_output_tokens"] <= 3 * 8 and p["mean_e2el_ms"] > p["mean_ttft_ms"], p  # EOS may end one early
     assert data["config"]["out"] == str(tmp_path)
     assert "| plain |" in (tmp_path / "serve.md").read_text()
