@@ -42,8 +42,7 @@ def _options(opts: DeploymentOptions, name: str, **extra: Any) -> dict:
         name=name,
         **replicas,
         max_ongoing_requests=opts.max_ongoing_requests,
-        ray_actor_options={"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus,
-                           "runtime_env": {"env_vars": REPLICA_ENV}},
+        ray_actor_options=opts.actor_options({"env_vars": REPLICA_ENV}),
         **extra,
     )
 

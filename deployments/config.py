@@ -30,6 +30,17 @@ class DeploymentOptions(BaseModel):
     max_ongoing_requests: int = Field(
         256, ge=1, description="Serve's per-replica cap on concurrent calls; too small makes a latency cliff."
     )
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per replica: "
+                                        "places it on the nodes that offer them (`ray start --resources "
+                                        "'{\"draft_node\": 1}'`), e.g. the Draft and the Target on different nodes.")
+    label_selector: dict[str, str] = Field(default_factory=dict, description="Node labels a replica's node must "
+                                           "have (`ray start --labels`, KubeRay worker-group labels), e.g. "
+                                           "{\"ray.io/node-group\": \"target\"}.")
+
+    def actor_options(self, runtime_env: dict) -> dict:
+        """Serve's ``ray_actor_options`` (resources and labels only where set)."""
+        extra = {k: v for k, v in (("resources", self.resources), ("label_selector", self.label_selector)) if v}
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "runtime_env": runtime_env, **extra}
 
 
 class AutoscalingOptions(BaseModel):

@@ -403,3 +403,21 @@ def test_startup_calibration_cache_is_keyed_by_weights_and_grid(tmp_path, monkey
     later = time.time() + 10
     os.utime(weights.path, (later, later))  # retrained in place
     assert calibrate.cache_key(tiny_models["target"], tiny_models["draft"], "cpu", None, **grid) != key
+
+
+def test_placement_options_reach_serve():
+    """Custom resources and node labels of a deployment go into its ray_actor_options (only where set),
+    in a form Serve accepts, so an operator can put the Draft and the Target on different nodes."""
+    from ray.serve._private.config import ReplicaConfig
+
+    from deployments.app import _options
+
+    cfg = AppConfig(draft_deployment={"resources": {"draft_node": 0.01}},
+                    target_deployment={"label_selector": {"ray.io/node-group": "target"}})
+    draft, target = _options(cfg.draft_deployment, "Draft"), _options(cfg.target_deployment, "Target")
+    assert draft["ray_actor_options"]["resources"] == {"draft_node": 0.01}
+    assert "label_selector" not in draft["ray_actor_options"]
+    assert target["ray_actor_options"]["label_selector"] == {"ray.io/node-group": "target"}
+    assert "resources" not in _options(cfg.plain, "PlainPool")["ray_actor_options"]
+    for opts in (draft, target):
+        ReplicaConfig.create(lambda: None, ray_actor_options=opts["ray_actor_options"])  # Serve's own validation
