@@ -58,6 +58,26 @@ def test_prompt_sets():
         assert len(rows) == n and all(r["prompt"].strip() for r in rows), name
 
 
-def test_total_size_under_40mb():
-    total = sum(p.stat().st_size for p in MODELS.rglob("*") if p.is_file())
+def test_the_tiny_family_stays_under_40mb():
+    """The test fixtures (the tiny family and the prompt sets) stay small; models/dram is the served family."""
+    total = sum(p.stat().st_size for d in [*NAMES, "prompts"] for p in (MODELS / d).rglob("*") if p.is_file())
     assert total < 40 * 2**20, total
+
+
+DRAM = MODELS / "dram"
+
+
+def test_the_served_target_speculates_losslessly():
+    """The served family's target (models/dram/target, 137 MB of fp32 weights: decode streams them
+    from DRAM) loads through from_pretrained and decodes greedy speculatively exactly as plain, with
+    the cheap draft, on prose and code."""
+    from specdec_core import Engine
+
+    assert (DRAM / "target" / "config.json").exists(), f"no served target under {DRAM}"
+    torch.set_num_threads(1)
+    engine = Engine.from_pretrained(str(DRAM / "target"), str(DRAM / "draft"), max_batch_size=2, max_model_len=256)
+    prompts = ["It is a truth universally acknowledged, that", "def main(argv=None):\n    "]
+    plain = engine.generate(prompts, max_new_tokens=32, mode="plain")
+    spec = engine.generate(prompts, max_new_tokens=32, mode="speculative", num_speculative_tokens=4)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.stats.accepted > 0 for o in spec)  # the draft agrees with it: real acceptance
