@@ -81,3 +81,23 @@ def test_the_served_target_speculates_losslessly():
     spec = engine.generate(prompts, max_new_tokens=32, mode="speculative", num_speculative_tokens=4)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert all(o.stats.accepted > 0 for o in spec)  # the draft agrees with it: real acceptance
+
+
+def test_growth_preserves_the_function():
+    """modelzoo.grow widens (here 2x) and deepens (one identity layer) a trained model into one that
+    computes the same logits: the served target's starting point."""
+    from modelzoo.grow import grow
+
+    small = transformers.AutoModelForCausalLM.from_pretrained(str(MODELS / "target"), dtype=torch.float32).eval()
+    c = small.config
+    wide = transformers.LlamaConfig(**{**c.to_dict(), "hidden_size": 2 * c.hidden_size,
+                                       "num_attention_heads": 2 * c.num_attention_heads,
+                                       "num_key_value_heads": 2 * c.num_key_value_heads, "head_dim": c.head_dim,
+                                       "intermediate_size": 3 * c.intermediate_size,
+                                       "num_hidden_layers": c.num_hidden_layers + 1})
+    torch.manual_seed(0)
+    big = transformers.LlamaForCausalLM(wide).eval()
+    grow(big, small, new_layers=[2])
+    x = torch.randint(0, c.vocab_size, (2, 48))
+    with torch.no_grad():
+        assert torch.allclose(big(input_ids=x).logits, small(input_ids=x).logits, atol=1e-4)
