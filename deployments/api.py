@@ -2,10 +2,11 @@
 before a request body is read.
 
 Every answer carries one ``x-request-id`` header, an id the server made (Serve's HTTP server adds it
-and this app adopts it; a client's own id is logged beside it, ``deployments/proxy_edge.py``). Every error, whatever raised it (our validation,
-pydantic, a body that does not parse, an unknown path or method, a failure inside the stack), is
-OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with a generic message that names
-the request id; tracebacks, file paths, pids, actor ids and addresses go to the server log only,
+and this app adopts it; a client's own id is logged beside it, ``deployments/proxy_edge.py``).
+Every error, whatever raised it (our validation, pydantic, a body that does not parse, an unknown
+path or method, a failure inside the stack), is OpenAI's body
+``{"error": {"message", "type", "param", "code"}}`` with a generic message that names the request id;
+tracebacks, file paths, pids, actor ids and addresses go to the server log only,
 under the same id. ``EdgeMiddleware`` (pure ASGI, so it runs before the body is read) answers 413
 for a body over ``max_body_bytes``, 431 for headers over ``max_header_bytes`` and 401 for a /v1
 call (or the API docs) without the configured API key. Every 503 carries ``Retry-After``; no path

@@ -6,8 +6,8 @@
     ingress         Router (FastAPI, OpenAI API)           deployment "Router"
 
 Engine pools (plain, co-located) autoscale with ``autoscaling.scaling:PoolAutoscalingPolicy`` when
-their ``autoscaling.enabled`` is set (config.py: AutoscalingOptions). A pool whose ``num_replicas`` is 0 (or that needs a draft when ``draft`` is null) is left out; the
-router routes around it.
+their ``autoscaling.enabled`` is set (config.py: AutoscalingOptions). A pool whose ``num_replicas``
+is 0 (or that needs a draft when ``draft`` is null) is left out; the router routes around it.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
 times the pair through the engine's own step phases (``specdec_core.calibration.calibrate``:
 t_T(b, q) for b in --batches, q = K+1 in --qs, and t_D(b)) and writes a JSON record
 
-    {"target": path, "draft": path (relative to the project root when inside it), "device": "cpu" | "cuda", "created": unix time,
-     "torch_threads": n, "costs": StepCosts.to_dict()}
+    {"target": path, "draft": path (relative to the project root when inside it),
+     "device": "cpu" | "cuda", "created": unix time, "torch_threads": n, "costs": StepCosts.to_dict()}
 
 A file holds one record or ``{"calibrations": [record, ...]}`` (a new run replaces the record of
 the same pair and device). ``EngineReplica`` loads it through the config key ``calibration_file``
@@ -97,7 +97,8 @@ def _weights(path: str | None) -> list:
     """(name, size, mtime) of a local model's weight files: retrained weights at the same path are new."""
     if path is None or not Path(path).is_dir():
         return [path]
-    return [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in sorted(Path(path).resolve().glob("*.safetensors"))]
+    return [(f.name, f.stat().st_size, int(f.stat().st_mtime))
+            for f in sorted(Path(path).resolve().glob("*.safetensors"))]
 
 
 def _host() -> list:

@@ -144,11 +144,12 @@ class AppConfig(BaseModel):
                                      "`traffic_class_promote_after` requests; every other user shares one of "
                                      "`traffic_class_buckets` hashed classes (autoscaling/traffic_classes.py).")
     traffic_class_buckets: int = Field(8, ge=1, description="Hashed classes shared by users without their own.")
-    traffic_class_promote_after: int = Field(4, ge=1, description="Requests of a user before it gets a class of its own.")
+    traffic_class_promote_after: int = Field(4, ge=1,
+                                             description="Requests of a user before it gets a class of its own.")
     separate_hop_overhead_s: float = Field(SEPARATE_HOP_S, ge=0, description="Per-step orchestration overhead of "
                                            "the separate topology, a propose and a verify message over its channels "
                                            "(default: 1.6-2.2 ms measured on the 2-core CPU machine with `python -m "
-                                           "deployments.measure_hops`).")
+                                           "specdec_bench.hops`).")
     calibration_file: str | None = Field(None, description="Calibration JSON (`specdec-calibrate`); a co-located "
                                          "replica uses its record for this target/draft/device instead of "
                                          "calibrating at start-up.")

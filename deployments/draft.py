@@ -18,9 +18,9 @@ import torch
 from deployments.config import AppConfig
 from deployments.messages import DRAFT_METHODS, ItemFailed, Placement, ProposeStepItem, SideStats
 from deployments.step_replica import StepReplica, session_generator
+from specdec_core import DraftModelProposer, ModelRunner, Proposal, ProposalRequest, SamplingParams
 
 DRAFT_STREAM = 1  # the Draft's random stream of a seeded request (the Target's is 0)
-from specdec_core import DraftModelProposer, ModelRunner, Proposal, ProposalRequest, SamplingParams
 
 logger = logging.getLogger("ray.serve")
 

@@ -19,8 +19,10 @@ from ray import serve
 from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, cache_key, cached, device_kind, load_calibration, store
 from deployments.config import AppConfig, model_label
 from deployments.messages import Delta, EngineStats, GenerateRequest, ReplicaCosts
+from deployments.metrics import log_request
 from specdec_core import AsyncEngine, Engine
 from specdec_core.acceptance import AcceptanceTracker
+from specdec_core.async_engine import coalesced
 from specdec_core.calibration import calibrate
 
 logger = logging.getLogger("ray.serve")
@@ -102,24 +104,16 @@ class EngineReplica:
         coalesced into one delta per ``stream_interval_s`` (the first and the last go out at once);
         without it the whole output is one delta. Leaving early (caller cancels, client gone)
         aborts the request inside the engine and frees its slots."""
-        interval = req.stream_interval_s
         t0 = time.perf_counter()
-        last = pending = None
-        sent_at = float("-inf")  # the first tokens go out at once (time to first token)
+        last = None
         resume = (list(req.resume.output_ids), req.resume.sent_chars) if req.resume else None
         if req.drift is not None and self.engine.engine.adaptive is not None:
             self.engine.engine.adaptive.adopt_drift(req.drift)  # the router's view of served steps
         stream = self.engine.stream(req.prompt_ids, req.params, req.request_id, resume)
         try:
-            async for out in stream:
+            async for out in coalesced(stream, req.stream_interval_s):
                 last = out
-                pending = out if pending is None else pending.merged(out)
-                # Every Ray message costs the replica, the router and the proxy CPU time that the
-                # engine thread shares: steps that finish within the interval go out as one message.
-                if out.finished or (interval is not None and time.perf_counter() - sent_at >= interval):
-                    sent_at = time.perf_counter()
-                    yield Delta.of(pending)
-                    pending = None
+                yield Delta.of(out)
         finally:
             try:
                 await stream.aclose()  # early exit: aborts the request in the engine, frees its slots
@@ -127,21 +121,13 @@ class EngineReplica:
                 self._log(req, last, time.perf_counter() - t0)
 
     def _log(self, req: GenerateRequest, last, latency_s: float) -> None:
-        """The one log line per request (mode, topology, tokens, acceptance, latency)."""
         self._served += 1
         finished = last is not None and last.finished
         if not finished:
             self._aborted += 1
-        s = last.stats if last is not None else None
-        k = req.params.num_speculative_tokens
-        logger.info(
-            "request %s pool=%s mode=%s topology=%s k=%d prompt=%d output=%d proposed=%d accepted=%d "
-            "acceptance=%.3f mean_len=%.2f latency=%.3fs finish=%s",
-            req.request_id, self.pool, "speculative" if k else "plain", "colocated" if k else None, k,
-            len(req.prompt_ids), s.output_tokens if s else 0, s.proposed if s else 0, s.accepted if s else 0,
-            s.acceptance_rate if s else 0.0, s.mean_acceptance_length if s else 1.0, latency_s,
-            last.finish_reason if finished else "abort",
-        )
+        log_request(logger, req.request_id, self.pool, req.params.num_speculative_tokens, "colocated",
+                    len(req.prompt_ids), last.stats if last is not None else None, latency_s,
+                    last.finish_reason if finished else "abort")
 
     async def stats(self) -> EngineStats:
         """Load and state: what the router and the tests read."""

@@ -119,7 +119,21 @@ class RouterMetrics:
         return domain
 
     def acceptance(self, cls, estimate: float, per_position: list[float]) -> None:
-        tags = {"draft": cls.draft, "temperature_bucket": cls.temperature_bucket, "domain": self._domain_label(cls.domain)}
+        tags = {"draft": cls.draft, "temperature_bucket": cls.temperature_bucket,
+                "domain": self._domain_label(cls.domain)}
         self.acceptance_estimate.set(estimate, tags=tags)
         for i, rate in enumerate(per_position):
             self.position_acceptance.set(rate, tags={**tags, "position": str(i)})
+
+
+def log_request(logger, request_id: str, pool: str, k: int, topology: str | None, prompt_tokens: int,
+                stats: RequestStats | None, latency_s: float, finish: str, **extra) -> None:
+    """The one log line per request, the same from every pool (mode, topology, tokens, acceptance)."""
+    s = stats or RequestStats()
+    tail = "".join(f" {key}={value}" for key, value in extra.items())
+    logger.info(
+        "request %s pool=%s mode=%s topology=%s k=%d prompt=%d output=%d proposed=%d accepted=%d "
+        "acceptance=%.3f mean_len=%.2f latency=%.3fs finish=%s%s",
+        request_id, pool, "speculative" if k else "plain", topology if k else None, k, prompt_tokens,
+        s.output_tokens, s.proposed, s.accepted, s.acceptance_rate, s.mean_acceptance_length, latency_s, finish, tail,
+    )

@@ -31,12 +31,13 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from autoscaling.routing import PoolLoad
+from deployments.channel_executor import ReplicaLost
 from deployments.config import AppConfig
 from deployments.messages import Delta, GenerateRequest, Resume
 from deployments.metrics import RouterMetrics
 from deployments.planning import Plan
 from deployments.regimes import POOLS, RouteState
-from deployments.separate_loop import ReplicaLost, SeparateLoop
+from deployments.separate_loop import SeparateLoop
 
 logger = logging.getLogger("ray.serve")
 

@@ -33,9 +33,10 @@ from autoscaling.routing import (
 )
 from autoscaling.traffic_classes import DomainTable
 from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
+from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts, StepDrift
-from specdec_core.request import SamplingParams
+from specdec_core.request import RequestState
 from specdec_core.stats import RequestStats
 
 POOLS = ("plain", "colocated", "separate")
@@ -114,6 +115,7 @@ class RouteState:
         # cost probes: 4x the acceptance probes' share, and only while a bucket's plain side is unmeasured
         self.cost_probes = Exploration(share=min(1.0, 4 * self.exploration.share), min_interval_s=0.0)
         self.clock = clock
+        self._separate_adaptive: AdaptiveK | None = None
         self.set_costs(PRIOR_COSTS)
 
     # ---- costs -------------------------------------------------------------------------------
@@ -132,6 +134,9 @@ class RouteState:
         self.view = CostView(self.costs, sampled,
                              StepDrift(weight=SERVED_DRIFT_WEIGHT, min_steps=SERVED_DRIFT_MIN_REQUESTS,
                                        bounds=SERVED_DRIFT_BOUNDS))
+        if self._separate_adaptive is not None:
+            self._separate_adaptive.view = self.view
+            self._separate_adaptive.adopt_drift(self.drift)
 
     @property
     def drift(self) -> StepDrift:
@@ -140,27 +145,23 @@ class RouteState:
     def cost_model(self, greedy: bool = True, context_len: int = 0) -> CostModel:
         return self.view.model(greedy, context_len)
 
-    def separate_round(self, batch: int, stats: RequestStats, params: SamplingParams, context_len: int
-                       ) -> tuple[int, bool]:
-        """The separate loop's choice for a request's next round at this batch: K (an adaptive request
-        the best K up to its own, priced for the separate topology; others their own K) and whether
-        the Draft proposes the round after it during this one's verify (``CostModel.overlap_pays``,
-        or as config ``separate_overlap`` forces). Acceptance: the request's own judged tokens shrunk
-        towards its class's estimate, as adaptive K's in an engine."""
-        k = params.num_speculative_tokens
-        adaptive = params.adaptive_k and k > 1
-        if k == 0:
-            return 0, False
-        if not adaptive and self.separate_overlap != "auto":  # nothing to price
-            return k, self.separate_overlap == "always"
+    def separate_adaptive(self, tracker: AcceptanceTracker) -> AdaptiveK:
+        """The separate loop's adaptive K: the engines' own (``AdaptiveK``), priced for the separate
+        topology with this state's view, and its drift (one owner, as the engine replicas adopt it)."""
+        self._separate_adaptive = AdaptiveK(self.view, tracker, self.draft_name, "separate")
+        self._separate_adaptive.adopt_drift(self.drift)
+        return self._separate_adaptive
+
+    def overlaps(self, batch: int, k: int, req: RequestState) -> bool:
+        """Does the separate loop's Draft propose a request's next round during this one's verify?
+        Where ``CostModel.overlap_pays`` at this batch, K and the request's acceptance (its own
+        judged tokens shrunk towards its class's estimate), or as config ``separate_overlap`` forces."""
+        if self.separate_overlap != "auto":
+            return self.separate_overlap == "always"
+        params, stats = req.params, req.stats
         class_a = params.class_acceptance if params.class_acceptance is not None else self.tracker.prior_mean
         a = self.tracker.shrink(stats.accepted, sum(stats.proposed_per_position), class_a)
-        model = self.cost_model(params.temperature <= 0, context_len)
-        if adaptive:
-            k = model.best_k(batch, a, k, "separate", allow_plain=False).k
-        if self.separate_overlap != "auto":
-            return k, self.separate_overlap == "always"
-        return k, model.overlap_pays(batch, k, a)
+        return self.cost_model(params.temperature <= 0, len(req.tokens)).overlap_pays(batch, k, a)
 
     @property
     def calibrated(self) -> bool:
@@ -216,7 +217,7 @@ class RouteState:
             pool = next((p for p in POOLS if p in loads), None)  # a spec pool decodes plain with K=0
             if pool is None:
                 raise RoutingError("no pool is deployed")
-        # Adaptive K runs inside a co-located replica's engine, and in the separate loop (``separate_round``).
+        # Adaptive K runs in a co-located replica's engine, and in the separate loop's scheduler (the same AdaptiveK).
         adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in ("colocated", "separate")
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 

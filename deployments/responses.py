@@ -96,7 +96,8 @@ async def stream(plan: Plan, deltas: AsyncIterator[Delta], costs_source: str, on
             yield "".join(pending) + "data: [DONE]\n\n"
     except Exception:
         logger.exception("stream %s failed", plan.request_id)
-        yield sse_event(schemas.error_body(internal_error_message(plan.request_id), "server_error")) + "data: [DONE]\n\n"
+        yield (sse_event(schemas.error_body(internal_error_message(plan.request_id), "server_error"))
+               + "data: [DONE]\n\n")
     finally:
         on_end()
         await deltas.aclose()

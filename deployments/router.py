@@ -68,7 +68,9 @@ class Router:
         engines = {name: h for name, h in (("plain", plain), ("colocated", colocated)) if h is not None}
         separate = None if target is None else SeparateLoop(
             draft, target, self.prompts.tokenizer, self.prompts.eos_ids, self.prompts.max_model_len,
-            cfg.step_timeout_s, self.route_state.separate_round, self.metrics)
+            cfg.step_timeout_s, self.route_state.separate_adaptive(AcceptanceTracker(
+                cfg.acceptance_prior, cfg.acceptance_prior_weight, cfg.acceptance_half_life_tokens)),
+            self.route_state.overlaps, self.metrics)
         self.pools = Pools(cfg, engines, separate, self.route_state, self.metrics)
         self._draft, self._target = draft, target
         self._created = schemas.now()

@@ -10,7 +10,7 @@ session-pinned Serve call (``channel``) returns; the replica stays a Serve deplo
 Model work runs on the replica's event loop itself, which serialises access to the model (release
 included). A worker thread would keep the loop free during a step, but the loop's owner sends the
 next message only after this one's answer, and the two thread handoffs per call cost 0.3-0.4 ms of a
-1.9-2.2 ms per-step overhead at batch 1 (``python -m deployments.measure_hops``).
+1.9-2.2 ms per-step overhead at batch 1 (``python -m specdec_bench.hops``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from ray import serve
 
 from deployments.channel import ChannelAddress, ChannelMethods, ChannelServer
 from deployments.config import AppConfig
-
-logger = logging.getLogger("ray.serve")
 from deployments.contexts import ReplicaContexts
 from deployments.messages import ItemFailed, Resync, SessionContext
 from specdec_core import SamplingParams
+
+logger = logging.getLogger("ray.serve")
 
 
 def session_generator(params: SamplingParams, stream: int = 0) -> torch.Generator | None:

@@ -42,8 +42,10 @@ DEBS = ("r-cran-janeaustenr", "bible-kjv-text", "bible-kjv", "python3.11-doc")
 
 # Licenses of the sources, as recorded in each package's copyright file.
 LICENSES = {
-    "austen": "Jane Austen's novels (public domain); packaged by janeaustenr (R package, MIT license), Debian r-cran-janeaustenr",
-    "kjv": "King James Version (public domain; Crown patent in the UK); Debian bible-kjv-text / bible-kjv (GPL-2+ for the packaging/reader)",
+    "austen": ("Jane Austen's novels (public domain); packaged by janeaustenr (R package, MIT license), "
+               "Debian r-cran-janeaustenr"),
+    "kjv": ("King James Version (public domain; Crown patent in the UK); Debian bible-kjv-text / bible-kjv "
+            "(GPL-2+ for the packaging/reader)"),
     "stdlib": "Python 3.11 standard library source, PSF License Agreement (Python Software Foundation License v2)",
     "pydocs": "Python 3.11 documentation sources, PSF License Agreement (Debian python3.11-doc)",
 }
@@ -82,7 +84,8 @@ def read_austen(root: Path) -> list[dict]:
     base = root / "usr/lib/R/site-library/janeaustenr/data/Rdata"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        index = rdata.conversion.convert(rdata.parser.parse_data(gzip.decompress((base.with_suffix(".rdx")).read_bytes())))
+        index = rdata.conversion.convert(
+            rdata.parser.parse_data(gzip.decompress((base.with_suffix(".rdx")).read_bytes())))
         blob = base.with_suffix(".rdb").read_bytes()
         docs = []
         for name, (off, length) in index["variables"].items():
@@ -130,7 +133,8 @@ def read_kjv(text_root: Path, reader_root: Path) -> list[dict]:
 
 def read_stdlib() -> list[dict]:
     lib = Path(sysconfig.get_paths()["stdlib"])
-    skip = re.compile(r"(^|/)(site-packages|test|tests|idle_test|encodings|pydoc_data|lib2to3/tests|__pycache__|config-[^/]*)(/|$)")
+    skip = re.compile(r"(^|/)(site-packages|test|tests|idle_test|encodings|pydoc_data|lib2to3/tests|__pycache__"
+                      r"|config-[^/]*)(/|$)")
     docs = []
     for p in sorted(lib.rglob("*.py")):
         rel = p.relative_to(lib).as_posix()
@@ -280,7 +284,7 @@ def write_prompts(corpus: Path, out: Path, tokenizer_dir: Path, seed: int = 0) -
                 cands.append((_repetition_score(piece), d["id"], piece))
     cands.sort(key=lambda c: -c[0])
     rep, per_doc = [], {}
-    for score, did, piece in cands:
+    for _score, did, piece in cands:
         if per_doc.get(did, 0) >= 3:
             continue
         per_doc[did] = per_doc.get(did, 0) + 1

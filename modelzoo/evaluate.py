@@ -221,7 +221,8 @@ def main(argv=None):
     v = R["physics"]["target"]["batches"][1]["ratio"]
     G["target: verify 5 / step at batch 1 <= 1.25 (memory bound; served family)"] = {"value": v, "met": v <= 1.25}
     R["env"] = {"threads": a.threads, "torch": torch.__version__, "loadavg": os.getloadavg(), "cpu": cpu_name(),
-                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine()}
+                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": platform.processor() or platform.machine()}
 
     out = Path(a.out)
     (out.parent / "eval.json").write_text(json.dumps(R, indent=2))
@@ -239,7 +240,8 @@ def card(R, names, drafts, a) -> str:
       f"every number below is written by `python -m modelzoo.evaluate --models {a.models} --out {a.out}` "
       f"({R['env']['when']}, torch {R['env']['torch']}, {R['env']['threads']} threads, "
       f"load average at the end {', '.join(f'{x:.2f}' for x in R['env']['loadavg'])}). "
-      "Weights: safetensors stored in fp16 with config `dtype: float32`, so a plain `from_pretrained` loads fp32; tied embeddings; one byte-level BPE tokenizer (vocab 4096, "
+      "Weights: safetensors stored in fp16 with config `dtype: float32`, so a plain `from_pretrained` loads fp32; "
+      "tied embeddings; one byte-level BPE tokenizer (vocab 4096, "
       "`<|endoftext|>` = bos = eos = document separator, `<|pad|>` = pad) shared by every model.\n")
     w("## Models\n")
     w("| model | params | layers | hidden | heads | ffn | training tokens | training time (min) | what |")
@@ -254,7 +256,8 @@ def card(R, names, drafts, a) -> str:
     w(f"{a.n_seq} evenly spaced windows of {a.seq_len} tokens from each domain's held-out split (held-out = "
       "3% of documents, by hash of the document id). Bigram baseline: counts from the training split, "
       "p(w|v) = lam * c(v,w)/c(v) + (1 - lam) * (c(w)+1)/(N+V), lam tuned on the held-out split over "
-      "{0.5, ..., 0.95}; scored on the same windows. `docs` (Python documentation) is reported but is not in any training mix.\n")
+      "{0.5, ..., 0.95}; scored on the same windows. `docs` (Python documentation) is reported but is not in any "
+      "training mix.\n")
     w("| domain | bigram (lam) | " + " | ".join(f"`{n}`" for n in names) + " |")
     w("|---|---|" + "---|" * len(names))
     for d in DOMAINS:
@@ -290,7 +293,8 @@ def card(R, names, drafts, a) -> str:
     w("")
     widths = list(R["physics"]["target"]["batch1_ms_by_width"])
     w("`target`, batch 1, ms per forward by new tokens: " + ", ".join(
-        f"{q}: {t:.2f}" for q, t in R["physics"]["target"]["batch1_ms_by_width"].items()) + f" (widths {widths[0]}-{widths[-1]}).\n")
+        f"{q}: {t:.2f}" for q, t in R["physics"]["target"]["batch1_ms_by_width"].items())
+      + f" (widths {widths[0]}-{widths[-1]}).\n")
     w("## Goals\n")
     w("| goal | value | status |")
     w("|---|---|---|")
@@ -300,7 +304,8 @@ def card(R, names, drafts, a) -> str:
     w("## Greedy samples from `target`\n")
     for d in ("prose", "code"):
         s = R["samples"][d]
-        w(f"**{d}** prompt:\n\n```\n{s['prompt']}\n```\n\ncontinuation (48 tokens, greedy):\n\n```\n{s['continuation']}\n```\n")
+        w(f"**{d}** prompt:\n\n```\n{s['prompt']}\n```\n\n"
+          f"continuation (48 tokens, greedy):\n\n```\n{s['continuation']}\n```\n")
     w("## Corpus and licenses\n")
     w("Built offline by `python -m modelzoo.corpus --out data/corpus` from Debian packages (`apt-get download` + "
       "`dpkg-deb -x`) and this machine's Python standard library; `data/` is git-ignored.\n")
@@ -309,7 +314,8 @@ def card(R, names, drafts, a) -> str:
     for d in DOMAINS:
         s = stats.get(d)
         if s:
-            w(f"| {d} | {', '.join(s['sources'])} | {s['train_docs']} | {s['heldout_docs']} | {s['train_chars']:,} | {s['heldout_chars']:,} |")
+            w(f"| {d} | {', '.join(s['sources'])} | {s['train_docs']} | {s['heldout_docs']} | "
+              f"{s['train_chars']:,} | {s['heldout_chars']:,} |")
     w("")
     for k, v in LICENSES.items():
         w(f"- **{k}**: {v}")

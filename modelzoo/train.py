@@ -66,7 +66,8 @@ FAMILY = {
     "draft": Spec(2, 192, 6, 512, mix={"prose": 0.35, "code": 0.65}, teacher="target", init_layers=[0, 5],
                   lr=1.5e-3, minutes=28,
                   note="cheap aligned draft: target's embedding + layers 0 and 5, distilled from the target's logits "
-                       "on both domains (first 15 min at 50/50, then 13 min at 35/65 prose/code: code agreement lagged)"),
+                       "on both domains (first 15 min at 50/50, then 13 min at 35/65 prose/code: "
+                       "code agreement lagged)"),
     "draft-code": Spec(1, 128, 4, 384, mix={"code": 1.0}, lr=3e-3, minutes=12,
                        note="domain-mismatch draft: Python code only, plain CE, no target"),
     "draft-large": Spec(5, 192, 6, 512, teacher="target", init_layers=[0, 1, 2, 4, 5], lr=1e-3, minutes=14,
@@ -77,6 +78,11 @@ FAMILY = {
     "dram/target": Spec(8, 576, 18, 1536, grow_from="target", new_layers=[3, 6], lr=3e-4, minutes=95,
                         note="the served target: grown from `target` (Net2Net, function-preserving), trained further "
                              "on both domains, plain CE"),
+    # The served family's cheap aligned draft: the tiny `draft` widened 2x (Net2Net, so it starts at that draft's
+    # function, 0.67 greedy agreement with `dram/target`), distilled from `dram/target`: 2 x 384, ~1/10 of a step.
+    "dram/draft": Spec(2, 384, 12, 1024, teacher="dram/target", grow_from="draft", lr=1e-3, minutes=35,
+                       note="cheap aligned draft: the tiny `draft` widened to 384 (Net2Net), distilled from "
+                            "`dram/target`'s logits on both domains"),
     # The served family's expensive draft: the target without the two layers that were inserted as identities
     # (3 and 6), so it starts close to the target at 6/8 of its cost; a short distillation closes the gap.
     "dram/draft-large": Spec(6, 576, 18, 1536, teacher="dram/target", init_layers=[0, 1, 2, 4, 5, 7], lr=2e-4,

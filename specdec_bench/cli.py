@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
     p.add_argument("--seconds", type=float, default=60.0, help="how long the mixed traffic runs")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--prometheus", default="prometheus", help="the Prometheus binary (Debian: apt-get install prometheus)")
+    p.add_argument("--prometheus", default="prometheus",
+                   help="the Prometheus binary (Debian: apt-get install prometheus)")
     p.add_argument("--config", default=str(ROOT / "deploy" / "prometheus" / "prometheus.yml"))
     p.add_argument("--dashboard", default=str(ROOT / "deploy" / "grafana" / "specdec-serve.json"))
     p.add_argument("--ray-temp", default="/tmp/ray", help="the Ray cluster's --temp-dir (service discovery file)")

@@ -119,7 +119,8 @@ async def _run(args) -> dict:
     return {
         "machine": machine_facts(1), "config": {k: v for k, v in vars(args).items() if k != "func" and k != "out"},
         "sent": len(results), "completed": len(ok), "lost": len(results) - len(ok),
-        "migrated": sum(1 for r in ok if r["migrations"]), "lost_errors": [r["error"] for r in results if not r["ok"]][:20],
+        "migrated": sum(1 for r in ok if r["migrations"]),
+        "lost_errors": [r["error"] for r in results if not r["ok"]][:20],
         "latency_s": {"p50": statistics.median(lat) if lat else None,
                       "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None},
         "kills": kills,
@@ -138,7 +139,8 @@ def rss_growth(samples: dict[int, list[tuple[float, str, float]]], warmup_s: flo
         warm = next(((t, mib) for t, _, mib in seen if t >= warm_from), None)
         end_t, name, end = seen[-1]
         rows.append({"deployment": name, "pid": pid, "first_seen_s": round(seen[0][0], 1),
-                     "warm_at_s": None if warm is None else round(warm[0], 1), "warm_mib": None if warm is None else warm[1],
+                     "warm_at_s": None if warm is None else round(warm[0], 1),
+                     "warm_mib": None if warm is None else warm[1],
                      "end_at_s": round(end_t, 1), "end_mib": end,
                      "growth_pct": None if warm is None else 100 * (end / warm[1] - 1)})
     return sorted(rows, key=lambda r: (r["deployment"], r["first_seen_s"]))
@@ -156,7 +158,8 @@ def faults_markdown(data: dict) -> str:
              f"- latency p50 {data['latency_s']['p50'] or 0:.2f} s, p99 {data['latency_s']['p99'] or 0:.2f} s",
              f"- kills (s into the measured window): {kills}",
              f"- every KV slot and session free at the end: {data['kv_free_at_end']}", "",
-             "| deployment | pid | first seen (s) | warm at (s) | RSS warm (MiB) | last sample (s) | RSS then (MiB) | growth |",
+             "| deployment | pid | first seen (s) | warm at (s) | RSS warm (MiB) | last sample (s) "
+             "| RSS then (MiB) | growth |",
              "|---|---|---|---|---|---|---|---|"]
     for r in data["rss"]:
         warm = "- | -" if r["warm_mib"] is None else f"{r['warm_at_s']:.0f} | {r['warm_mib']:.0f}"

@@ -65,7 +65,8 @@ class OracleProposer(DraftModelProposer):
 def _model(hidden: int, layers: int, vocab: int, device, dtype, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 3.5) // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512),
+                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128),
+                      num_key_value_heads=max(1, hidden // 512),
                       max_position_embeddings=2048, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     return model

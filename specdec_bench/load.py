@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import statistics
 import time
@@ -28,6 +27,7 @@ import httpx
 from tqdm import tqdm
 
 from specdec_bench.common import load_prompts, machine_facts
+from specdec_bench.local_app import sse_event
 
 MODES = {
     "plain": {"mode": "plain"},
@@ -49,11 +49,10 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         if resp.status_code != 200:
             return {"error": resp.status_code}
         async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            if not line.startswith("data: ") or done:
+            chunk = sse_event(line)
+            done = done or chunk == "[DONE]"
+            if not isinstance(chunk, dict) or done:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 stream_error = chunk["error"]["message"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):

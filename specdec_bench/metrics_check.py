@@ -163,7 +163,8 @@ def metrics_markdown(data: dict) -> str:
     lines = ["# Metrics on a real Prometheus", "",
              f"{data['requests']} requests of mixed traffic in {data['seconds']:.0f} s at concurrency "
              f"{data['concurrency']} ({data['failed']} failed); passed: {data['passed']}.", "",
-             "| counter | from the responses | Prometheus (growth over the traffic) | relative error |", "|---|---|---|---|"]
+             "| counter | from the responses | Prometheus (growth over the traffic) | relative error |",
+             "|---|---|---|---|"]
     for metric, a in data["counters"].items():
         lines.append(f"| `{metric}` | {a['responses']:.0f} | {a['prometheus']:.0f} | {a['relative_error']:.4f} |")
     lines += ["", "| dashboard panel | series |", "|---|---|"]

@@ -12,10 +12,11 @@ K is ``costmodel.adaptive_k`` (goodput-optimal K with hysteresis), priced by the
 the drift of real steps from the calibration), the same view the router prices with. A served
 request carries the router's estimate for its class (``class_estimate``): it replaces this
 engine's own, and the request starts at the K the router routed it with (the router priced that
-start with the same view); from then on its own evidence decides. A *probe* is a step at ``PROBE_K`` after plain steps: at K=0 nothing
-is judged, so only a probe can show that acceptance is back. The *probe wait* (``probe_every``) is
-how many plain steps pass before one is due; every fall to plain doubles it (``max_probe_every``
-at most), speculating beyond the probe's K resets it to its base.
+start with the same view); from then on its own evidence decides. A *probe* is a step at
+``PROBE_K`` after plain steps: at K=0 nothing is judged, so only a probe can show that acceptance
+is back. The *probe wait* (``probe_every``) is how many plain steps pass before one is due; every
+fall to plain doubles it (``max_probe_every`` at most), speculating beyond the probe's K resets it
+to its base.
 
 | from          | priced K               | to          | probe wait          | transition       |
 |---------------|------------------------|-------------|---------------------|------------------|

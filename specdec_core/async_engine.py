@@ -8,11 +8,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from specdec_core.engine import Engine, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+async def coalesced(outputs: AsyncIterator[RequestOutput], interval_s: float | None
+                    ) -> AsyncIterator[RequestOutput]:
+    """The outputs of a request's steps, merged into one per ``interval_s`` (the first and the last go
+    out at once; None: one output at the end): every message a stream sends costs its sender, the
+    router and the proxy CPU time that the steps share."""
+    pending, sent_at = None, float("-inf")  # the first tokens go out at once (time to first token)
+    async for out in outputs:
+        pending = out if pending is None else pending.merged(out)
+        if out.finished or (interval_s is not None and time.perf_counter() - sent_at >= interval_s):
+            sent_at = time.perf_counter()
+            yield pending
+            pending = None
 
 
 class RequestFailed(RuntimeError):

@@ -62,17 +62,15 @@ def calibrate(
     proposer = engine.proposer
     if speculative and not proposer.proposes_full_k:
         # A lookup finds no match in the synthetic prompt's continuation and would propose
-        # nothing, so the "K+1" verifies would be plain steps: time full-width verifies instead.
-        engine.proposer = _FullWidthProposer()
-    try:
-        costs = cost_grid(time_target, time_draft, batches=batches, qs=qs,  # target first: draft_phase filled
-                          time_draft_step=time_draft_step)
-        costs = dataclasses.replace(costs, context_len=context_len)
-        long_context_len = min(long_context_len or 0, engine.max_model_len - (steps + 3) * max(qs))
-        if long_context_len > context_len:
-            costs = _context_slopes(engine, costs, qs, long_context_len, steps, temperature)
-    finally:
-        engine.proposer = proposer
+        # nothing, so the "K+1" verifies would be plain steps: time full-width verifies instead,
+        # on an engine of their own over the same target.
+        engine = engine.sibling(_FullWidthProposer())
+    costs = cost_grid(time_target, time_draft, batches=batches, qs=qs,  # target first: draft_phase filled
+                      time_draft_step=time_draft_step)
+    costs = dataclasses.replace(costs, context_len=context_len)
+    long_context_len = min(long_context_len or 0, engine.max_model_len - (steps + 3) * max(qs))
+    if long_context_len > context_len:
+        costs = _context_slopes(engine, costs, qs, long_context_len, steps, temperature)
     runner = getattr(proposer, "runner", None)
     if speculative and runner is not None:
         prefill_tokens = min(256, runner.max_len - 1)

@@ -36,7 +36,7 @@ TOPOLOGIES = ("colocated", "separate")
 
 # Per-step orchestration overhead of the separate topology (a propose and a verify message over the
 # direct channels, deployments/channel.py): its time per step minus the co-located one at batch 1,
-# 1.6-2.2 ms on the CPU machine (`python -m deployments.measure_hops`; 13-15 ms over two Serve handle
+# 1.6-2.2 ms on the CPU machine (`python -m specdec_bench.hops`; 13-15 ms over two Serve handle
 # calls before). Its one home: the serving config's `separate_hop_overhead_s` defaults to it.
 SEPARATE_HOP_S = 2e-3
 DEFAULT_HOP_OVERHEAD_S: Mapping[str, float] = {"colocated": 0.0, "separate": SEPARATE_HOP_S}
@@ -307,7 +307,8 @@ class CostModel:
             draft = hop = 0.0
             if k:
                 rows = batch if draft_rows is None else draft_rows
-                draft, hop = k * self.costs.draft_time(rows) + self.costs.draft_step_time(rows), self.costs.hop(topology)
+                draft, hop = (k * self.costs.draft_time(rows) + self.costs.draft_step_time(rows),
+                              self.costs.hop(topology))
             parts = self._parts_cache[key] = (self.costs.target_time(batch, k + 1), draft, hop)
         return parts
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-MODELS = Path(os.environ.get("MODELZOO_MODELS", Path(__file__).resolve().parent.parent / "models"))
+MODELS = Path(os.environ.get("MODELZOO_MODELS", Path(__file__).resolve().parents[2] / "models"))
 NAMES = ["target", "draft", "draft-code", "draft-large"]
 SHIPPED = [n for n in NAMES if (MODELS / n / "config.json").exists()]
 

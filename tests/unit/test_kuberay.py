@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "deploy" / "kuberay" / "rayservice.yaml"
 PLACEMENT = {"router": "head_node", "plain": "pool_node", "colocated": "pool_node", "draft_deployment": "draft_node",
              "target_deployment": "target_node"}

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import exact_marginals, expected_tv
-from test_serve_app import running_app
+from distributions import exact_marginals, expected_tv
+from served import running_app
 
 pytestmark = pytest.mark.timeout(300)
 

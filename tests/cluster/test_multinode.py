@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from test_serve_app import APP, PLAIN, SEPARATE, app_args, sse_events, synthetic_costs
+from served import APP, PLAIN, SEPARATE, app_args, sse_events, synthetic_costs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -3,7 +3,7 @@ stop conditions, fault degradation and input errors."""
 
 import pytest
 import torch
-from conftest import exact_marginals, expected_tv
+from distributions import exact_marginals, expected_tv
 from transformers import AutoModelForCausalLM
 
 from specdec_core import Engine, SamplingParams
@@ -271,8 +271,9 @@ def test_bad_prompts_raise(engine):
 
 
 def test_different_tokenizers_rejected_at_load(tiny_models, tmp_path):
-    from conftest import build_model
     from transformers import AutoTokenizer
+
+    from modelzoo.random_init import build_model
 
     tok = AutoTokenizer.from_pretrained(tiny_models["target"])
     tok.add_tokens(["<extra_token>"])

@@ -8,7 +8,7 @@ import threading
 
 import httpx
 import pytest
-from test_serve_app import APP, MAX_LEN, app_args, running_app, sse_events
+from served import APP, MAX_LEN, app_args, running_app, sse_events
 
 pytestmark = pytest.mark.timeout(600)
 

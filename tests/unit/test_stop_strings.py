@@ -1,7 +1,7 @@
 """Stop strings, OpenAI/vLLM semantics: the output ends right before the first stop string that
-occurs in the generated text (the first one completed, reading left to right), whether the stop spans tokens or sits inside one long
-token with text on either side; the stream never carries text past the cut, not even a stop's
-prefix that the next token turns into the stop.
+occurs in the generated text (the first one completed, reading left to right), whether the stop
+spans tokens or sits inside one long token with text on either side; the stream never carries
+text past the cut, not even a stop's prefix that the next token turns into the stop.
 
 Checked on the shipped tokenizer, with hand-picked token sequences and with randomised ones fed
 in chunks the way speculative steps commit them, and through the engine on the shipped pair.
@@ -19,7 +19,7 @@ from specdec_core import Engine, SamplingParams
 from specdec_core.request import RequestState
 from specdec_core.runner import load_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
 STOPS = ["\n", "):", "self.", " the", "\n\n"]
 

@@ -1,7 +1,7 @@
 """Per-step orchestration overhead of the separate topology at batch 1, against the co-located path.
 
-    PYTHONPATH=. python -m deployments.measure_hops            # random-init models
-    PYTHONPATH=. python -m deployments.measure_hops --target models/target --draft models/draft
+    python -m specdec_bench.hops            # random-init models
+    python -m specdec_bench.hops --target models/target --draft models/draft
 
 Starts a local cluster and the app, sends greedy streamed requests with a fixed K one at a time to
 each path (plain, co-located, separate), and times decoding at the client: from the first chunk (the
@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from specdec_bench.local_app import running_app, sse_event
 
 
 def _random_models(root: Path, target_layers: int, draft_layers: int, hidden: int) -> dict:
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_model, build_tokenizer  # the test suite's tiny-model builder
+    from modelzoo.random_init import build_model, build_tokenizer
 
     tok = build_tokenizer(str(root / "tokenizer"))
     return {"target": build_model(str(root / "target"), tok, target_layers, 0, hidden),
@@ -53,35 +48,23 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import httpx
-    import ray
     from ray import serve
-
-    from deployments.app import build_app
 
     tmp = tempfile.mkdtemp(prefix="hops-")
     models = ({"target": args.target, "draft": args.draft} if args.target else
               _random_models(Path(tmp), args.target_layers, args.draft_layers, args.hidden))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        extra = {"separate_overlap": args.overlap}
-        serve.run(build_app({**models, **extra, "max_model_len": 512, "router": {"num_cpus": 0.1},
-                             "plain": {"num_cpus": 0.1}, "colocated": {"num_cpus": 0.1},
-                             "draft_deployment": {"num_cpus": 0.1}, "target_deployment": {"num_cpus": 0.1}}),
-                  name="hops", route_prefix="/")
+    small = {"num_cpus": 0.1}
+    app_args = {**models, "separate_overlap": args.overlap, "max_model_len": 512, "router": small, "plain": small,
+                "colocated": small, "draft_deployment": small, "target_deployment": small}
+    with running_app(app_args, "hops") as app:
         paths = {
             "plain": {"mode": "plain"},
             "colocated": {"mode": "speculative", "topology": "colocated", "num_speculative_tokens": args.k},
             "separate": {"mode": "speculative", "topology": "separate", "num_speculative_tokens": args.k},
         }
         results = {}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
+        with httpx.Client(base_url=app["url"], timeout=300) as c:
             for name, spec in paths.items():
                 decode_s, decode_tokens, steps, tokens = 0.0, 0, 0, 0
                 for r in range(args.requests + 1):  # the first request warms up
@@ -90,9 +73,8 @@ def main() -> None:
                             "speculation": spec}
                     arrivals, ntok, last = [], [], None
                     with c.stream("POST", "/v1/completions", json=body) as resp:
-                        for line in resp.iter_lines():
-                            if line.startswith("data: {"):
-                                chunk = json.loads(line[6:])
+                        for chunk in map(sse_event, resp.iter_lines()):
+                            if isinstance(chunk, dict):
                                 if chunk["choices"] and chunk["choices"][0].get("token_ids"):
                                     arrivals.append(time.perf_counter())
                                     ntok.append(len(chunk["choices"][0]["token_ids"]))
@@ -125,9 +107,6 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -254,8 +254,8 @@ print(json.dumps({"without": submit({}), "wrong": submit({"authorization": "Bear
 ray.shutdown()
 """
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240, check=False,
-                         cwd=Path(__file__).parent.parent)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240,
+                         check=False, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     codes = json.loads(out.stdout.strip().splitlines()[-1])
     assert codes["without"] == 401 and codes["wrong"] in (401, 403)

@@ -12,8 +12,8 @@ window. Configs the runner cannot reproduce must raise a ValueError naming the f
 import pytest
 import torch
 import transformers as tf
-from conftest import build_noisy_copy, build_tokenizer
 
+from modelzoo.random_init import build_noisy_copy, build_tokenizer
 from specdec_core import Engine
 from specdec_core.runner import ModelRunner
 

@@ -117,10 +117,12 @@ def test_seeded_determinism():
     [
         (torch.zeros(2, dtype=torch.long), torch.zeros(2, 1, 4), torch.zeros(2, 2, 4), "draft_token_ids must be"),
         (torch.zeros(1, 2, dtype=torch.long), torch.full((1, 2, 4), 0.25), torch.full((1, 2, 4), 0.25), "target_probs"),
-        (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, 5), 0.2), torch.full((1, 2, 4), 0.25), "vocab mismatch"),
+        (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, 5), 0.2), torch.full((1, 2, 4), 0.25),
+         "vocab mismatch"),
         (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, 4), 0.5), torch.full((1, 2, 4), 0.25), "sum to 1"),
         (torch.full((1, 1), 9, dtype=torch.long), torch.full((1, 1, 4), 0.25), torch.full((1, 2, 4), 0.25), "lie in"),
-        (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, 4), -0.25), torch.full((1, 2, 4), 0.25), "non-negative"),
+        (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, 4), -0.25), torch.full((1, 2, 4), 0.25),
+         "non-negative"),
     ],
 )
 def test_bad_input_raises_clear_error(ids, q, p, message):

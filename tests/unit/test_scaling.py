@@ -103,6 +103,7 @@ def test_serve_wrapper_merges_state_and_adds_no_delay_when_zeroed():
 def test_serve_accepts_the_import_paths(name):
     from ray.serve._private.autoscaling_state import _resolve_policy_callable  # what the controller calls
 
-    policy = serve_config.AutoscalingPolicy(policy_function=f"autoscaling.scaling:{name}", policy_kwargs={"upscale_delay_s": 1.0})
+    policy = serve_config.AutoscalingPolicy(policy_function=f"autoscaling.scaling:{name}",
+                                            policy_kwargs={"upscale_delay_s": 1.0})
     replicas, _ = _resolve_policy_callable(policy)(context(20, 1, now=0.0, state={}))
     assert replicas == 1  # waiting out the upscale delay

@@ -9,7 +9,7 @@ import os
 
 import httpx
 import pytest
-from test_serve_app import PATHS, _free_port, app_args, complete, running_app, sse_events, wait_idle
+from served import PATHS, app_args, complete, free_port, running_app, sse_events, wait_idle
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,7 +29,7 @@ def _direct_url(first_port: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    first = _free_port()
+    first = free_port()
     # Read by the processes the cluster starts (the controller, the proxy, the replicas), so set before it.
     env = {**DIRECT_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 20)}

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from test_serve_app import APP, MAX_LEN, PATHS, app_args, running_app, sse_events, synthetic_costs
+from served import APP, MAX_LEN, PATHS, app_args, running_app, sse_events, synthetic_costs
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,7 +17,8 @@ def async_engine(tiny_models):
 
 
 def test_concurrent_streams_match_solo_results(async_engine):
-    solo = [async_engine.engine.generate([p], max_new_tokens=16, num_speculative_tokens=3)[0].token_ids for p in PROMPTS]
+    solo = [async_engine.engine.generate([p], max_new_tokens=16, num_speculative_tokens=3)[0].token_ids
+            for p in PROMPTS]
 
     async def collect(prompt, k):
         ids = []

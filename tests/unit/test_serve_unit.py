@@ -12,12 +12,13 @@ from pydantic import ValidationError
 from autoscaling.routing import PoolLoad, RoutingError
 from autoscaling.traffic_classes import DomainTable
 from deployments.config import AppConfig, resolve_model_path
+from deployments.messages import Delta
 from deployments.regimes import PRIOR_COSTS, RouteState, objective_of, with_hops
-from deployments.separate_loop import SeparateRequest
 from deployments.session_router import SessionAffinityRouter, owner
 from specdec_core import SamplingParams
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.costmodel import StepCosts
+from specdec_core.request import RequestState
 from specdec_core.stats import RequestStats
 
 ALL = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
@@ -244,8 +245,8 @@ class _Tok:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def _req(**kw) -> SeparateRequest:
-    return SeparateRequest("r", [1, 2], SamplingParams(**kw), _Tok(), eos_ids={99})
+def _req(**kw) -> RequestState:
+    return RequestState("r", [1, 2], SamplingParams(**kw), _Tok(), eos_ids={99})
 
 
 def test_separate_request_stopping_rules():
@@ -260,13 +261,13 @@ def test_separate_request_stopping_rules():
     assert (r.output_ids, r.finish_reason) == ([0, 1, 2], "length")
     r = _req(max_new_tokens=10, stop=("cd",))
     r.commit([0, 1, 2, 3, 4])
-    assert (r.finish_reason, r.delta().text) == ("stop", "ab")
+    assert (r.finish_reason, Delta.of(r.output()).text) == ("stop", "ab")
     r = _req(max_new_tokens=10)
     r.commit([0, 1])
-    d = r.delta()
+    d = Delta.of(r.output())
     assert (d.token_ids, d.text, d.finished) == ([0, 1], "ab", False)
     r.commit([2])
-    assert r.delta().token_ids == [2]
+    assert Delta.of(r.output()).token_ids == [2]
     assert r.budget_k(4, max_len=100) == 4
     assert r.budget_k(9, max_len=6) == 1  # 5 tokens held, room for 1 draft token
     # an overlapped round's proposal follows 4 tokens not yet committed: 3 of the 7 left, room for 2
@@ -339,32 +340,41 @@ def test_served_step_times_correct_the_routing():
     assert route(loads, state=st).pool == "plain"
 
 
-def test_separate_round_chooses_k_and_overlap_from_the_cost_model():
-    """The separate loop's choice per round, in Theorem 3.8's world (a verify costs one plain step,
-    1 s; a draft forward c s): overlap where the draft is as costly as the verify and acceptance is
-    high, not where most overlapped proposals would be dropped; an adaptive request's best K."""
+def test_separate_overlap_and_k_from_the_cost_model():
+    """The separate loop's choices, in Theorem 3.8's world (a verify costs one plain step, 1 s; a
+    draft forward c s): overlap where the draft is as costly as the verify and acceptance is high,
+    not where most overlapped proposals would be dropped; an adaptive request's first K is the
+    engines' own AdaptiveK's, priced for the separate topology, and follows new costs."""
     from specdec_core.costmodel import CostModel
-    from specdec_core.stats import RequestStats
+    from specdec_core.scheduler import ScheduledRequest
 
     def costs(c):
         return StepCosts((1, 64), (1, 9), ((1.0, 1.0), (1.0, 1.0)), (c, c), source="leviathan")
 
-    fresh = RequestStats()
+    def req(params, accepted=0, judged=()):
+        r = ScheduledRequest("r", list(range(64)), params, _Tok(), {99})
+        r.stats.accepted, r.stats.proposed_per_position = accepted, list(judged)
+        return r
+
     high, low = (SamplingParams(num_speculative_tokens=4, class_acceptance=a) for a in (0.9, 0.3))
     st = _state(costs=costs(0.25))
-    assert st.separate_round(1, fresh, high, 64) == (4, True)  # D = V = 1 s
-    assert _state(costs=costs(0.5)).separate_round(1, fresh, low, 64) == (4, False)
+    assert st.overlaps(1, 4, req(high))  # D = V = 1 s
+    assert not _state(costs=costs(0.5)).overlaps(1, 4, req(low))
     # the request's own evidence outweighs its class: 400 judged draft tokens, 120 accepted
-    poor = RequestStats(accepted=120, proposed_per_position=[100, 100, 100, 100])
     costly = _state(costs=costs(0.3))
-    assert costly.separate_round(1, fresh, high, 64) == (4, True)
-    assert costly.separate_round(1, poor, high, 64) == (4, False)
-    adaptive = SamplingParams(num_speculative_tokens=8, adaptive_k=True, class_acceptance=0.9)
+    assert costly.overlaps(1, 4, req(high))
+    assert not costly.overlaps(1, 4, req(high, 120, [100, 100, 100, 100]))
+    assert not _state(costs=costs(0.25), separate_overlap="never").overlaps(1, 4, req(high))
+    assert _state(costs=costs(0.5), separate_overlap="always").overlaps(1, 4, req(low))
+
+    adaptive_k = st.separate_adaptive(AcceptanceTracker(prior_mean=0.9))
+    cls = adaptive_k.traffic_class(0.0, "default")
+    state = adaptive_k.choose(None, cls, 0, 0, 1, 8, context_len=64, class_estimate=0.9)
     want = CostModel(st.costs).best_k(1, 0.9, 8, "separate", allow_plain=False).k
-    assert st.separate_round(1, fresh, adaptive, 64)[0] == want and 1 <= want < 8
-    assert _state(costs=costs(0.25), separate_overlap="never").separate_round(1, fresh, high, 64) == (4, False)
-    assert _state(costs=costs(0.5), separate_overlap="always").separate_round(1, fresh, low, 64) == (4, True)
-    assert st.separate_round(1, fresh, SamplingParams(), 64) == (0, False)
+    assert state.k == want and 1 <= want < 8 and adaptive_k.topology == "separate"
+    st.set_costs(costs(0.05), "recalibrated")  # a cheaper draft: the loop's adaptive K prices with it
+    assert adaptive_k.view is st.view and adaptive_k.view.drift is st.drift
+    assert adaptive_k.choose(None, cls, 0, 0, 1, 8, context_len=64, class_estimate=0.9).k >= want
 
 
 def test_chat_fallback_template_keeps_special_token_text_as_text():

@@ -5,102 +5,34 @@ HTTP goes to 127.0.0.1 on a free port, with httpx and with the official openai c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
-import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from served import (
+    APP,
+    COLOCATED,
+    MAX_INFLIGHT,
+    MAX_LEN,
+    PATHS,
+    PLAIN,
+    SEPARATE,
+    app_args,
+    complete,
+    free_port,
+    running_app,
+    sse_events,
+    stats,
+    synthetic_costs,
+    wait_idle,
+)
+
+from specdec_bench import local_app
 
 pytestmark = pytest.mark.timeout(300)
-
-ROOT = Path(__file__).resolve().parent.parent
-MAX_LEN = 512
-MAX_INFLIGHT = 20
-APP = "specdec"
-
-PLAIN = {"mode": "plain"}
-COLOCATED = {"mode": "speculative", "topology": "colocated", "num_speculative_tokens": 4}
-SEPARATE = {"mode": "speculative", "topology": "separate", "num_speculative_tokens": 4}
-PATHS = {"plain": PLAIN, "colocated": COLOCATED, "separate": SEPARATE}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_app(args: dict, app: str = APP, metrics_port: int | None = None) -> Iterator[dict]:
-    """A local Ray cluster (2 CPUs) serving ``build_app(args)`` as ``app`` on a free 127.0.0.1 port,
-    shut down on exit: {"url", "router"}."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    port = _free_port()
-    extra = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **extra)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=app, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", app)}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-# The regime tests need a cost model under which this 2-core machine is compute bound at a small
-# batch, and a draft the router believes in. Honest stand-ins, both through documented config keys:
-# - calibration_file: synthetic step costs for the tiny pair, t_T(b, q) = 10 ms + 4 ms * b * q and
-#   t_D = 3 ms (a forward that turns compute bound near 8 tokens, like docs/ARCHITECTURE.md (Facts)'s CPU
-#   table does near 64-128): the co-located replica loads them instead of calibrating (which would
-#   also add seconds to start-up), and the router fetches them from it.
-# - acceptance_prior 0.9: the prior of a fresh traffic class (the random tiny draft really agrees
-#   with the target far less; tests that need the prior use a fresh `user`, i.e. a fresh class).
-# With a = 0.9 speculation then pays at batch <= 6 (K=1: 1.06x at batch 6) and not from batch 7 on.
-ACCEPTANCE_PRIOR = 0.9
-
-
-def synthetic_costs():
-    from specdec_core.costmodel import StepCosts
-
-    batches, qs = (1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9)
-    return StepCosts(batches, qs, tuple(tuple(0.010 + 0.004 * b * q for q in qs) for b in batches),
-                     tuple(0.003 for _ in batches), source="synthetic-test")
-
-
-def app_args(models: dict, calibration_file: str | None = None) -> dict:
-    small = {"num_cpus": 0.1}
-    return {
-        "target": models["target"],
-        "draft": models["draft"],
-        "model_name": "tiny",
-        "max_model_len": MAX_LEN,
-        "max_inflight_requests": MAX_INFLIGHT,
-        "calibration_file": calibration_file,
-        "acceptance_prior": ACCEPTANCE_PRIOR,
-        "traffic_class_promote_after": 1,  # each test's `user` is a class of its own at once
-        "router": small,
-        "plain": small,
-        "colocated": small,
-        "draft_deployment": small,
-        "target_deployment": {"num_cpus": 0.1, "num_replicas": 2},
-        # Every separate round overlaps the next proposal with its verify where it can (the synthetic
-        # costs would never let `auto` overlap: their verify dwarfs the draft), so every separate
-        # test runs the overlapped path; each rejection still sends a round through the sequential one.
-        "separate_overlap": "always",
-    }
-
 
 # A request without ignore_eos must end at EOS on every path. The random tiny target never emits
 # its EOS token early, so the served copy of it also lists as EOS (generation_config.json, read by
@@ -139,7 +71,7 @@ def server(tiny_models, tmp_path_factory):
     models = {**tiny_models, "target": with_extra_eos(tiny_models["target"], tmp_path_factory)}
     calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
     save_calibration(calibration, record(synthetic_costs(), models["target"], models["draft"], "cpu"))
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with running_app(app_args(models, calibration), metrics_port=metrics_port) as app:
         yield {**app, "target": models["target"], "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
 
@@ -148,47 +80,6 @@ def server(tiny_models, tmp_path_factory):
 def client(server):
     with httpx.Client(base_url=server["url"], timeout=120) as c:
         yield c
-
-
-def complete(client, prompt="It is a truth universally", **kw) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **kw}
-    r = client.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def stats(server) -> dict:
-    return server["router"].pool_stats.remote().result(timeout_s=60)
-
-
-def wait_idle(server, timeout=30.0) -> dict:
-    """Poll until every replica holds no session, runs nothing and has all KV slots free."""
-    deadline = time.time() + timeout
-    while True:
-        s = stats(server)
-        engine = s["plain"] + s["colocated"]
-        busy = (
-            s["router"]["inflight"] or s["router"]["background"] or any(s["router"]["active"].values())
-            or any(r["running"] or r["waiting"] or r["sessions"] or r["streams"] or r["free_slots"] != r["total_slots"]
-                   for r in engine)
-            or any(r["draft_free_slots"] not in (None, r["total_slots"]) for r in engine)
-            or any(r["sessions"] or r["free_slots"] != r["total_slots"] for r in s["draft"] + s["target"])
-        )
-        if not busy:
-            return s
-        if time.time() > deadline:
-            pytest.fail(f"replicas did not return to idle: {json.dumps(s)}")
-        time.sleep(0.2)
-
-
-def sse_events(lines) -> list:
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 # ---- basics -------------------------------------------------------------------------------------
@@ -373,7 +264,7 @@ def test_sampled_output_follows_the_target_distribution_on_every_path(server):
     """T=1 with top-k and top-p: the second output token's histogram over 300 seeded requests per
     path matches the target's exact marginal (a path that ignored temperature, top-k or top-p, or
     sampled from the draft, would be off by several times the sampling noise)."""
-    from conftest import exact_marginals, expected_tv
+    from distributions import exact_marginals, expected_tv
 
     n, prompt, knobs = 300, [7, 3, 11], dict(temperature=1.0, top_k=8, top_p=0.9)
     exact = exact_marginals(server["target"], prompt, 2, **knobs)[1]
@@ -562,7 +453,7 @@ def test_errors(client):
 
 
 INTERNALS = re.compile(r"Traceback|File \"|\.py\b|site-packages|\bpid\b|[Aa]ctor|\b\d{1,3}(\.\d{1,3}){3}\b|"
-                       + re.escape(str(ROOT)))
+                       + re.escape(str(local_app.ROOT)))
 HOSTILE = [  # (what, request kwargs for client.request, expected status)
     ("top_k 2**64 sampled", {"json": {"prompt": "x", "top_k": 2**64, "temperature": 0.7}}, 400),
     ("top_k past the vocabulary", {"json": {"prompt": "x", "top_k": 10**9, "temperature": 0.7}}, 200),
@@ -747,6 +638,7 @@ def test_serve_load_generator_writes_its_report(server, tmp_path):
     for p in data["passes"]:
         assert p["requests"] == p["completed"] == 3 and p["errors"] == 0 and p["output_throughput"] > 0, p
         assert 0 < p["median_ttft_ms"] <= p["p99_ttft_ms"] and 0 < p["median_tpot_ms"] <= p["p99_tpot_ms"], p
-        assert 0 < p["total_output_tokens"] <= 3 * 8 and p["mean_e2el_ms"] > p["mean_ttft_ms"], p  # EOS may end one early
+        # EOS may end one early
+        assert 0 < p["total_output_tokens"] <= 3 * 8 and p["mean_e2el_ms"] > p["mean_ttft_ms"], p
     assert data["config"]["out"] == str(tmp_path)
     assert "| plain |" in (tmp_path / "serve.md").read_text()

@@ -1,0 +1,61 @@
+"""A local cluster serving the app, and the client side of its SSE streams: one copy for the tests,
+the benchmarks and the launcher. Ray starts with token authentication (SECURITY.md) and the
+HTTP edge's proxy callback, as ``./run`` starts it; everything listens on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def serving_environment() -> None:
+    """What the serving processes need before Ray is imported (it reads them once per process)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "deployments.proxy_edge:middlewares")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(args: dict, name: str, metrics_port: int | None = None, num_cpus: int = 2) -> Iterator[dict]:
+    """A local Ray cluster serving ``build_app(args)`` as app ``name`` on a free 127.0.0.1 port,
+    shut down on exit: {"url", "router"}."""
+    serving_environment()
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = free_port()
+    extra = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **extra)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=name, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", name)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def sse_event(line: str) -> dict | str | None:
+    """One SSE line of an OpenAI stream: its JSON chunk, "[DONE]", or None (not a data line)."""
+    if not line.startswith("data: "):
+        return None
+    payload = line[len("data: "):]
+    return payload if payload == "[DONE]" else json.loads(payload)
+
+
+def sse_events(lines: Iterable[str]) -> list:
+    return [e for e in map(sse_event, lines) if e is not None]

@@ -1,0 +1,269 @@
+"""The scheduler: which requests run a step, at what K, and what the step's results do to them.
+
+One scheduler serves both topologies. A step is schedule -> execute -> commit (as vLLM's
+``EngineCore.step``): ``Scheduler.schedule`` admits waiting requests (their prefill pass emits the
+first token), takes aborts and chooses each running request's K (K=0 is plain decoding); an
+executor runs the forwards (``executor.LocalExecutor`` in process, the separate topology's channels
+in ``deployments/channel_executor.py``); ``Scheduler.commit`` applies the verified tokens. Requests
+join and leave only at step boundaries. Pure and synchronous: no I/O, no threads of its own (aborts
+may come from another thread), the clock passed in.
+
+Vocabulary (Leviathan et al. 2023, Algorithm 1): q is the draft's distribution, p the target's; a
+verify keeps the *accepted* draft tokens and adds one *recovered* token (at the first rejection) or
+one *bonus* token (all K accepted). Overlap (PEARL's post-verify, Liu et al. 2024), an executor's
+capability: while the target verifies proposal P the draft proposes the next round O after P; when
+the target accepts all of P the step commits P without its bonus token and O is what the next
+verify judges (its first token against the distribution the bonus came from: lossless).
+
+The K policy sits behind one seam: a request's own K (fixed), or ``AdaptiveK`` (mode=auto) priced
+for the executor's topology; a failed draft turns its requests' steps plain (for ``draft_retry_s``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec_core.acceptance import TrafficClass
+from specdec_core.adaptive import AdaptiveK, KState, Regret, stop
+from specdec_core.proposers import Proposal
+from specdec_core.request import RequestOutput, RequestState
+from specdec_core.stats import StepTiming
+from specdec_core.verifier import VerifyResult
+
+NO_PROPOSAL = Proposal([], None)
+
+
+class ScheduledRequest(RequestState):
+    """A request's state plus what scheduling needs: its random stream and its speculation state."""
+
+    def __init__(self, request_id, prompt_ids, params, tokenizer, eos_ids, generator=None):
+        super().__init__(request_id, prompt_ids, params, tokenizer, eos_ids)
+        self.generator = generator  # the in-process sampler's stream (None where the replicas sample)
+        self.draft_failed = False
+        self.draft_retry_at = -math.inf  # plain steps until then, after a draft failure
+        self.k_state: KState | None = None  # adaptive K of this request
+        self.traffic_class: TrafficClass | None = None  # its acceptance class, once adaptive K asks
+        self.draft_seen = 0  # history length the draft has fed (its proposals count until rejected)
+        self.regret = Regret()  # adaptive K's guard: what its speculative steps cost against plain ones
+        self.carried: Proposal | None = None  # an overlapped proposal: what this request's next verify judges
+        self.error: BaseException | None = None  # why its step failed, for the caller to raise
+
+    @property
+    def draft_catch_up(self) -> int:
+        """Tokens the draft must feed before it can propose: one after a speculative step (the
+        recovered or bonus token), every token emitted since then after plain steps."""
+        return max(1, len(self.tokens) - self.draft_seen)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step runs: the admitted requests' prefill, the running ones' decode at their K."""
+
+    prefill: tuple[ScheduledRequest, ...] = ()
+    decode: tuple[ScheduledRequest, ...] = ()
+    ks: tuple[int, ...] = ()  # per decode row: draft tokens to propose (0: plain; a carried proposal's length)
+    aborted: tuple[ScheduledRequest, ...] = ()  # left at this boundary: the executor frees their state
+
+    @property
+    def rows(self) -> tuple[ScheduledRequest, ...]:
+        return self.prefill + self.decode
+
+    def only(self, req: ScheduledRequest) -> StepPlan:
+        """This plan for one of its requests alone (failure isolation)."""
+        if req in self.prefill:
+            return StepPlan(prefill=(req,))
+        return StepPlan(decode=(req,), ks=(self.ks[self.decode.index(req)],))
+
+
+@dataclass
+class StepResult:
+    """What an executor made of a plan."""
+
+    proposals: list[Proposal]  # per decode row: the proposal verified (NO_PROPOSAL: a plain step)
+    verified: list[VerifyResult | BaseException]  # per row of plan.rows, or why that row failed
+    draft_failed: set[int] = field(default_factory=set)  # decode rows whose draft failed this step
+    ahead: dict[int, Proposal] = field(default_factory=dict)  # decode rows: the next round, proposed meanwhile
+    timing: StepTiming = field(default_factory=StepTiming)
+
+
+class Scheduler:
+    def __init__(self, max_batch_size: int, max_model_len: int, speculative: bool,
+                 adaptive: AdaptiveK | None = None, draft_retry_s: float = math.inf,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.speculative = speculative  # an executor that can propose
+        self.adaptive = adaptive
+        self.draft_retry_s = draft_retry_s
+        self.clock = clock
+        self._incoming: deque[ScheduledRequest] = deque()
+        self._waiting: deque[ScheduledRequest] = deque()
+        self.running: list[ScheduledRequest] = []
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add(self, req: ScheduledRequest) -> None:
+        """Queue a request (thread-safe); it joins at the next step boundary."""
+        self._incoming.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request finishes with reason "abort" at the next step boundary."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._incoming or self._waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._incoming) + len(self._waiting)
+
+    # ---- schedule ------------------------------------------------------------------------------
+
+    def schedule(self, free_slots: int, slot_of: Callable[[str], int] | None = None) -> StepPlan:
+        """The next step: aborts taken, running requests (in ``slot_of`` order: a run of consecutive
+        slots is read as a view, not gathered) at their K, waiting ones admitted into free slots."""
+        while self._incoming:
+            self._waiting.append(self._incoming.popleft())
+        aborted = self._take_aborts()
+        decode = sorted(self.running, key=lambda r: slot_of(r.request_id)) if slot_of else list(self.running)
+        admitted = []
+        while self._waiting and len(self.running) < self.max_batch_size and free_slots > 0:
+            req = self._waiting.popleft()
+            self.running.append(req)
+            admitted.append(req)
+            free_slots -= 1
+        return StepPlan(tuple(admitted), tuple(decode), tuple(self._ks(decode)), tuple(aborted))
+
+    def _take_aborts(self) -> list[ScheduledRequest]:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+        if not aborts:
+            return []
+        gone = [r for r in list(self._waiting) + self.running if r.request_id in aborts]
+        for req in gone:
+            req.finish("abort")
+        self._waiting = deque(r for r in self._waiting if not r.finished)
+        self.running = [r for r in self.running if not r.finished]
+        return gone
+
+    def _ks(self, rows: list[ScheduledRequest]) -> list[int]:
+        batch = len(rows)
+        ks = [self._choose_k(r, batch) for r in rows]
+        if self.adaptive is not None and batch > 1:
+            ks = self.adaptive.unless_batch_loses(
+                ks, [r.params.adaptive_k and r.carried is None for r in rows], [self._traffic_class(r) for r in rows],
+                [(r.stats.accepted, sum(r.stats.proposed_per_position), r.params.class_acceptance) for r in rows],
+                max(len(r.tokens) for r in rows),
+            )
+        return ks
+
+    def _choose_k(self, req: ScheduledRequest, batch: int) -> int:
+        if req.carried is not None:  # proposed during the last verify: this step judges it
+            return len(req.carried.token_ids)
+        if not self.speculative or self.clock() < req.draft_retry_at:
+            return 0
+        k = req.params.num_speculative_tokens
+        if req.params.adaptive_k and self.adaptive is not None and k > 0:
+            req.k_state = self.adaptive.choose(
+                req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
+                batch, k, remaining_tokens=req.params.max_new_tokens - len(req.output_ids),
+                catch_up_tokens=req.draft_catch_up, context_len=len(req.tokens),
+                class_estimate=req.params.class_acceptance,
+            )
+            k = req.k_state.k
+        return req.budget_k(k, self.max_model_len)
+
+    # ---- commit --------------------------------------------------------------------------------
+
+    def commit(self, plan: StepPlan, result: StepResult, stream_text: bool = True) -> list[RequestOutput]:
+        """Apply a step's results; the outputs of its rows and its aborts. A row whose result is an
+        exception finishes with "error" (its ``error`` says why). Finished requests leave the batch:
+        the caller frees their executor state."""
+        timing = result.timing
+        n_prefill = len(plan.prefill)
+        for req, res in zip(plan.prefill, result.verified):
+            if self._verified(req, res, NO_PROPOSAL, None):
+                req.stats.prefill_s = req.stats.first_token_s = time.perf_counter() - req.arrival
+        if plan.decode:
+            self._commit_decode(plan, result, result.verified[n_prefill:])
+        for req in plan.decode:
+            req.stats.decode_s += timing.total_s - timing.prefill_s
+        self.running = [r for r in self.running if not r.finished]
+        return [r.output(stream_text) for r in plan.aborted + plan.rows]
+
+    def fail(self, req: ScheduledRequest, error: BaseException) -> None:
+        """The request fails alone (its step failed without it committing): it leaves the batch."""
+        req.error = error
+        req.carried = None
+        req.finish("error")
+        self.running = [r for r in self.running if r is not req]
+
+    def _verified(self, req: ScheduledRequest, res, proposal: Proposal, ahead: Proposal | None) -> bool:
+        """Commit one row's verify; False if it failed."""
+        if isinstance(res, BaseException):
+            self.fail(req, res)
+            return False
+        req.stats.record_verify(res.num_proposed, res.num_accepted)
+        if self.adaptive is not None and res.num_proposed:
+            self.adaptive.observe(self._traffic_class(req), res.num_proposed, res.num_accepted)
+        emitted = res.emitted
+        req.carried = None
+        if proposal.token_ids:
+            req.draft_seen = len(req.tokens) + len(proposal.token_ids)
+            if ahead is not None and res.num_accepted == res.num_proposed:
+                # All of P accepted: commit P without the bonus; the overlapped O is judged next.
+                emitted, req.carried = emitted[:-1], ahead
+        req.commit(emitted)
+        if req.finished:
+            req.carried = None
+        return True
+
+    def _commit_decode(self, plan: StepPlan, result: StepResult, verified: list) -> None:
+        rows, timing = plan.decode, result.timing
+        now = self.clock()
+        for i in result.draft_failed:
+            rows[i].draft_failed = True
+            rows[i].draft_retry_at = now + self.draft_retry_s
+        catch_up = max(r.draft_catch_up for r in rows)
+        before = [len(r.output_ids) for r in rows]
+        for i, (req, res, prop) in enumerate(zip(rows, verified, result.proposals)):
+            self._verified(req, res, prop, result.ahead.get(i))
+        step_s = timing.propose_s + timing.verify_s
+        proposed = {len(p.token_ids) for p in result.proposals}
+        timing.batch = len(rows)
+        timing.speculative_rows = sum(1 for p in result.proposals if p.token_ids)
+        timing.k = max(proposed)
+        if self.adaptive is None:
+            return
+        self._account_regret(rows, result.proposals, before, step_s)
+        # Steps whose rows all proposed K tokens teach adaptive K how far real steps run from the
+        # calibration; a draft's catch-up prefill (after plain steps) is not a step cost: skipped.
+        if len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
+            self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), len(rows),
+                                       proposed.pop(), step_s)
+
+    def _account_regret(self, rows, proposals: list[Proposal], before: list[int], step_s: float) -> None:
+        """Charge each adaptive row that speculated against plain steps at this batch for the tokens
+        it emitted; a row over its budget decodes plain to its end (``adaptive.stop``)."""
+        for req, prop, n0 in zip(rows, proposals, before):
+            if prop.token_ids and req.params.adaptive_k and req.k_state is not None:
+                plain_step = self.adaptive.plain_step_time(self._traffic_class(req), len(req.tokens), len(rows))
+                if req.regret.charge(step_s, len(req.output_ids) - n0, plain_step, len(req.output_ids)):
+                    req.k_state = stop(req.k_state)
+
+    def _traffic_class(self, req: ScheduledRequest) -> TrafficClass:
+        if req.traffic_class is None:  # fixed for the request's life; asked several times a step
+            req.traffic_class = self.adaptive.traffic_class(req.params.temperature, req.params.domain)
+        return req.traffic_class

@@ -1,0 +1,203 @@
+"""The scheduler on its own (``specdec_core/scheduler.py``), against a fake executor: a "target" whose
+greedy next token is (last + 1) mod V and a "draft" that proposes it right for ``good`` positions and
+wrong after. The scheduler is what both topologies share: join and leave at step boundaries, K per
+row, draft fallback with a retry time (fake clock), overlapped proposals kept or dropped, errors
+that fail one row, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_core import Proposal, SamplingParams
+from specdec_core.acceptance import AcceptanceTracker
+from specdec_core.adaptive import AdaptiveK
+from specdec_core.cost_view import CostView
+from specdec_core.costmodel import StepCosts
+from specdec_core.scheduler import NO_PROPOSAL, ScheduledRequest, Scheduler, StepPlan, StepResult
+from specdec_core.verifier import VerifyResult
+
+V = 50
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def nxt(t: int) -> int:
+    return (t + 1) % V
+
+
+class FakeExecutor:
+    """Greedy verification against the (last + 1) target; the draft right for ``good`` tokens."""
+
+    def __init__(self, good: int = 99, overlap: bool = False):
+        self.good, self.overlap = good, overlap
+        self.fail_draft: set[str] = set()  # request ids whose next propose fails
+        self.fail_verify: set[str] = set()
+        self.plans: list[StepPlan] = []
+        self.judged_carried = 0  # rows whose verify judged a proposal made during the previous verify
+
+    def propose(self, history: list[int], k: int) -> Proposal:
+        out, t = [], history[-1]
+        for i in range(k):
+            t = nxt(t) if i < self.good else (t + 7) % V
+            out.append(t)
+        return Proposal(out, None)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        proposals, failed = [], set()
+        for i, (r, k) in enumerate(zip(plan.decode, plan.ks)):
+            if r.carried is not None:
+                proposals.append(r.carried)
+                self.judged_carried += 1
+            elif k and r.request_id in self.fail_draft:
+                self.fail_draft.discard(r.request_id)
+                proposals.append(NO_PROPOSAL)
+                failed.add(i)
+            else:
+                proposals.append(self.propose(r.tokens, k) if k else NO_PROPOSAL)
+        verified = []
+        for r, p in zip(plan.rows, [NO_PROPOSAL] * len(plan.prefill) + proposals):
+            if r.request_id in self.fail_verify:
+                verified.append(RuntimeError("verify failed"))
+                continue
+            t, accepted = r.tokens[-1], []
+            for tok in p.token_ids:
+                if tok != nxt(t):
+                    break
+                accepted.append(tok)
+                t = tok
+            verified.append(VerifyResult(accepted + [nxt(t)], len(p.token_ids), len(accepted)))
+        ahead = {}
+        if self.overlap:
+            for i, (r, p) in enumerate(zip(plan.decode, proposals)):
+                if p.token_ids:
+                    ahead[i] = self.propose(r.tokens + p.token_ids, len(p.token_ids))
+        return StepResult(proposals, verified, failed, ahead)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def request(rid: str, n: int = 12, k: int = 3, start: int = 1, **kw) -> ScheduledRequest:
+    params = SamplingParams(max_new_tokens=n, num_speculative_tokens=k, ignore_eos=True, **kw)
+    return ScheduledRequest(rid, [start], params, _Tok(), eos_ids=set())
+
+
+def run(sched: Scheduler, ex: FakeExecutor, steps: int = 100) -> dict[str, list[int]]:
+    done = {}
+    for _ in range(steps):
+        if not sched.has_work():
+            break
+        plan = sched.schedule(free_slots=8)
+        for out in sched.commit(plan, ex.execute(plan)):
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return done
+
+
+def reference(start: int, n: int) -> list[int]:
+    out, t = [], start
+    for _ in range(n):
+        t = nxt(t)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("good, overlap", [(99, False), (1, False), (0, False), (99, True), (2, True)])
+def test_output_is_the_targets_greedy_whatever_the_draft(good, overlap):
+    sched, ex = Scheduler(4, 256, speculative=True), FakeExecutor(good, overlap)
+    for i in range(3):
+        sched.add(request(f"r{i}", n=10 + i, start=i))
+    assert run(sched, ex) == {f"r{i}": reference(i, 10 + i) for i in range(3)}
+    assert (ex.judged_carried > 0) == (overlap and good > 0)  # overlapped rounds kept where all was accepted
+
+
+def test_requests_join_and_leave_at_step_boundaries():
+    sched, ex = Scheduler(2, 256, speculative=True), FakeExecutor()
+    for i in range(3):
+        sched.add(request(f"r{i}", n=4 * (i + 1)))
+    plan = sched.schedule(free_slots=8)
+    assert [r.request_id for r in plan.prefill] == ["r0", "r1"] and not plan.decode  # the batch bound: 2
+    sched.commit(plan, ex.execute(plan))
+    plan = sched.schedule(free_slots=8)
+    assert [r.request_id for r in plan.decode] == ["r0", "r1"] and plan.ks == (2, 3) and not plan.prefill
+    sched.commit(plan, ex.execute(plan))  # r0 (3 tokens left: K=2): 1 + 3 = its 4 tokens, it leaves
+    plan = sched.schedule(free_slots=8)
+    assert [r.request_id for r in plan.prefill] == ["r2"] and [r.request_id for r in plan.decode] == ["r1"]
+    assert sched.schedule(free_slots=0).prefill == ()  # no free slot: nothing admitted
+
+
+def test_k_is_cut_at_the_token_budget_and_the_context():
+    sched = Scheduler(4, 8, speculative=True)
+    sched.add(request("a", n=3, k=5))
+    sched.add(request("b", n=6, k=5))
+    sched.commit(plan := sched.schedule(8), FakeExecutor().execute(plan))
+    plan = sched.schedule(8)
+    assert plan.ks == (1, 4)  # a: 2 tokens left, room for 1 draft token; b: 5 left, 4
+
+
+def test_a_failed_draft_decodes_plain_until_its_retry_time():
+    clock = Clock()
+    sched, ex = Scheduler(4, 256, speculative=True, draft_retry_s=5.0, clock=clock), FakeExecutor()
+    sched.add(request("a", n=40))
+    sched.add(request("b", n=40))
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    ex.fail_draft.add("a")
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    a, b = plan.decode
+    assert a.draft_failed and not b.draft_failed
+    assert sched.schedule(8).ks == (0, 3)  # a plain, b speculates
+    clock.t = 5.0
+    plan = sched.schedule(8)
+    assert plan.ks == (3, 3)
+    assert run(sched, ex)  # and a finishes right
+    assert a.output_ids == reference(1, 40)
+
+
+def test_a_row_that_fails_fails_alone():
+    sched, ex = Scheduler(4, 256, speculative=True), FakeExecutor()
+    sched.add(request("a"))
+    sched.add(request("b"))
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    ex.fail_verify.add("a")
+    plan = sched.schedule(8)
+    outs = {o.request_id: o for o in sched.commit(plan, ex.execute(plan))}
+    a = plan.decode[0]
+    assert outs["a"].finish_reason == "error" and isinstance(a.error, RuntimeError)
+    assert not outs["b"].finished and [r.request_id for r in sched.running] == ["b"]
+
+
+def test_aborts_leave_at_the_next_boundary_waiting_or_running():
+    sched, ex = Scheduler(1, 256, speculative=True), FakeExecutor()
+    sched.add(request("run"))
+    sched.add(request("wait"))
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    sched.abort("run")
+    sched.abort("wait")
+    plan = sched.schedule(8)
+    outs = sched.commit(plan, ex.execute(plan))
+    assert {r.request_id for r in plan.aborted} == {"run", "wait"} and not plan.rows
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("run", "abort"), ("wait", "abort")]
+    assert not sched.has_work()
+
+
+def test_adaptive_k_is_the_seam_a_draft_that_costs_a_verify_goes_plain():
+    """mode=auto rows take AdaptiveK's K (the same policy in either topology): with a draft step as
+    expensive as a target step nothing pays and they decode plain; a fixed-K row keeps its K."""
+    costly = StepCosts((1, 8), (1, 5), ((1.0, 1.2), (1.0, 1.2)), (1.0, 1.0), source="test")
+    adaptive = AdaptiveK(CostView(costly), AcceptanceTracker(prior_mean=0.5), "d", "separate")
+    sched, ex = Scheduler(4, 256, speculative=True, adaptive=adaptive), FakeExecutor()
+    sched.add(request("auto", n=30, k=4, adaptive_k=True))
+    sched.add(request("fixed", n=30, k=4))
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    plan = sched.schedule(8)
+    assert plan.ks == (0, 4)
+    assert plan.decode[0].k_state is not None
