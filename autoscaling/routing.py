@@ -34,17 +34,28 @@ rate a, cost ratio c, Corollary 3.9 (a speedup needs a > c).
 
 from __future__ import annotations
 
+import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 
+from autoscaling.exploration import Exploration
 from specdec_core.acceptance import TrafficClass
 from specdec_core.costmodel import CostModel, KChoice
 
 MODES = ("auto", "speculative", "plain")
 OBJECTIVES = ("latency", "throughput")
-SPEC_TOPOLOGIES = ("colocated", "separate")
-PLAIN_POOL = "plain"
+class Pool(enum.StrEnum):
+    """The pools a request can run in (a StrEnum: it is its own name in JSON, metrics and config)."""
+
+    PLAIN = "plain"  # plain-decoding replicas
+    COLOCATED = "colocated"  # draft and target in one engine
+    SEPARATE = "separate"  # Draft and Target deployments, the router's step loop
+
+
+POOLS = tuple(Pool)
+SPEC_TOPOLOGIES = (Pool.COLOCATED, Pool.SEPARATE)
+PLAIN_POOL = Pool.PLAIN
 REGIMES = (
     "favorable",
     "high_entropy",
@@ -318,3 +329,21 @@ def cost_probe_route(ctx: RoutingContext, spec: RoutingDecision) -> RoutingDecis
     return RoutingDecision(PLAIN_POOL, None, 0, spec.regime, 1.0,
                            f"cost probe: served plain steps at batch {ctx.loads[PLAIN_POOL].joined_batch()} "
                            "not measured yet")
+
+
+def scheduled_probe(ctx: RoutingContext, decision: RoutingDecision, acceptance_probes: Exploration,
+                    cost_probes: Exploration, plain_measured: Callable[[int], tuple[Hashable, bool]], now: float
+                    ) -> RoutingDecision | None:
+    """The probe to run instead of ``decision``, if one is due at ``now``: an acceptance probe for a
+    class that goes plain for its acceptance (``probe_route``, on the class's schedule), else a cost
+    probe while the served plain step at the request's batch is unmeasured (``cost_probe_route``, on
+    the schedule of its batch bucket). ``plain_measured(batch)`` gives that bucket and whether it is
+    measured. None: run ``decision``."""
+    probe = probe_route(ctx, decision)
+    if probe is not None and acceptance_probes.probe_due(ctx.features.traffic_class, now):
+        return probe
+    probe = cost_probe_route(ctx, decision)
+    if probe is None:
+        return None
+    bucket, measured = plain_measured(ctx.loads[PLAIN_POOL].joined_batch())
+    return probe if not measured and cost_probes.probe_due(bucket, now) else None

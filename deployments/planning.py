@@ -15,11 +15,11 @@ from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from autoscaling.routing import PoolLoad, RoutingDecision, RoutingError
+from autoscaling.routing import Pool, PoolLoad, RoutingDecision, RoutingError
 from deployments import schemas
 from deployments.api import APIError, bad_request
 from deployments.config import AppConfig
-from deployments.regimes import Route, RouteState, objective_of
+from deployments.route_state import Route, RouteState, objective_of
 from specdec_core import SamplingParams
 from specdec_core.acceptance import TrafficClass
 from specdec_core.request import eos_token_ids
@@ -27,7 +27,7 @@ from specdec_core.request import eos_token_ids
 RETRY_AFTER_S = 15  # a 503 for lost replicas: Serve restarts a replica in ~13-17 s here
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     request_id: str
     prompt_ids: list[int]
@@ -38,19 +38,31 @@ class Plan:
     return_token_ids: bool
     include_usage: bool
     traffic_class: TrafficClass
-    pool: str = "plain"  # the deployed pool that runs it (decision.pool, or a spec pool for plain decoding)
+    pool: Pool = Pool.PLAIN  # the deployed pool it was routed to (decision.pool, or a spec pool for plain decoding)
     batch: int = 1  # per-replica batch it joined
     requested_mode: str = "auto"
     stream: bool = False  # the client streams: the replica sends tokens as they come, else one message
     probe: bool = False  # an exploration probe of a class that goes plain for its acceptance
-    migrations: int = 0  # times the request moved because the replica serving it died
-    realised_speedup: float | None = None
 
     def params_for(self, pool: str) -> SamplingParams:
         """The settings a pool runs this request with: the plain pool has no draft (K=0)."""
-        if pool == "plain":
+        if pool == Pool.PLAIN:
             return dataclasses.replace(self.params, num_speculative_tokens=0, adaptive_k=False)
         return self.params
+
+
+@dataclass
+class Execution:
+    """How a planned request runs: the pool it is in (a migrated request moves) and what it achieved."""
+
+    plan: Plan
+    pool: Pool
+    migrations: int = 0  # times the request moved because the replica serving it died
+    realised_speedup: float | None = None
+
+    @classmethod
+    def of(cls, plan: Plan) -> Execution:
+        return cls(plan, plan.pool)
 
 
 class Prompts:
@@ -179,7 +191,7 @@ def plan_request(body, ids: list[int], max_tokens: int | None, default_max: int,
                             # the router's estimate: the replica's adaptive K, or the separate loop's
                             # choice to overlap, prices the request with it
                             class_acceptance=(route_state.tracker.estimate(cls)
-                                              if route.adaptive or route.pool == "separate" else None))
+                                              if route.adaptive or route.pool == Pool.SEPARATE else None))
     try:
         params.validate()  # the engine's own admission check, so no request reaches a step it would fail
     except ValueError as exc:

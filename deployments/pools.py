@@ -1,4 +1,4 @@
-"""The pools behind one interface: ``Pools.generate(plan)`` streams a planned request's deltas
+"""The pools behind one interface: ``Pools.generate(run)`` streams a planned request's deltas
 from the pool it was routed to, moves it when the replica serving it dies, and reports what ran.
 
 - plain pool: ``EngineReplica`` without a draft; co-located pool: ``EngineReplica`` with draft +
@@ -30,19 +30,23 @@ from collections.abc import AsyncIterator
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from autoscaling.routing import PoolLoad
+from autoscaling.routing import POOLS, Pool, PoolLoad
 from deployments.channel_executor import ReplicaLost
 from deployments.config import AppConfig
 from deployments.messages import Delta, GenerateRequest, Resume
 from deployments.metrics import RouterMetrics
-from deployments.planning import Plan
-from deployments.regimes import POOLS, RouteState
+from deployments.planning import Execution
+from deployments.route_state import RouteState
 from deployments.separate_loop import SeparateLoop
 
 logger = logging.getLogger("ray.serve")
 
 # A replica (or actor) that died or cannot be reached: the request it served can move.
 MIGRATABLE = (RayActorError, ActorUnavailableError, ReplicaLost)
+
+
+class PoolUnavailable(Exception):
+    """No replica could finish the request (its migrations ran out): the client may retry (503)."""
 HEALTH_PROBE_S = 1.0  # a down pool is asked this often whether it answers again
 
 
@@ -54,8 +58,8 @@ class Pools:
         self.separate = separate
         self._route_state = route_state
         self._metrics = metrics
-        self.replicas = {"plain": cfg.plain.routing_replicas, "colocated": cfg.colocated.routing_replicas,
-                         "separate": cfg.target_deployment.num_replicas}
+        self.replicas = {Pool.PLAIN: cfg.plain.routing_replicas, Pool.COLOCATED: cfg.colocated.routing_replicas,
+                         Pool.SEPARATE: cfg.target_deployment.num_replicas}
         self.active = {p: 0 for p in POOLS}
         self.engine_messages = 0  # deltas received from engine replicas (tests: coalescing)
         self.migrations = 0
@@ -65,7 +69,7 @@ class Pools:
 
     @property
     def deployed(self) -> list[str]:
-        return [p for p in POOLS if p in self.engines or (p == "separate" and self.separate is not None)]
+        return [p for p in POOLS if p in self.engines or (p == Pool.SEPARATE and self.separate is not None)]
 
     def loads(self) -> dict[str, PoolLoad]:
         """Live loads of the pools that can take a request now: the requests this router runs in each."""
@@ -86,7 +90,7 @@ class Pools:
         while pool in self.down:
             await asyncio.sleep(HEALTH_PROBE_S)
             try:
-                if pool == "separate":
+                if pool == Pool.SEPARATE:
                     await asyncio.wait_for(self.separate.ping(), HEALTH_PROBE_S)
                 else:
                     await asyncio.wait_for(self.engines[pool].stats.remote(), HEALTH_PROBE_S)
@@ -95,15 +99,15 @@ class Pools:
             self.down.discard(pool)
             logger.info("pool %s answers again", pool)
 
-    async def generate(self, plan: Plan) -> AsyncIterator[Delta]:
+    async def generate(self, run: Execution) -> AsyncIterator[Delta]:
         """Deltas of one request on its pool; the pool's load counter covers its lifetime."""
-        d = plan.decision
-        self._count(plan.pool, +1)
-        self._metrics.routed(plan.pool, d.k, d.regime, plan.requested_mode, d.predicted_speedup)
+        d = run.plan.decision
+        self._count(run.pool, +1)
+        self._metrics.routed(run.pool, d.k, d.regime, run.plan.requested_mode, d.predicted_speedup)
         t0, last = time.perf_counter(), None
         t_first, n_first, n_out, per_token = None, 0, 0, 0.0
         try:
-            gen = self._migrating(plan)
+            gen = self._migrating(run)
             try:
                 async for delta in gen:
                     last = delta
@@ -113,14 +117,14 @@ class Pools:
                     if delta.finished:
                         per_token = _decode_time_per_token(t_first, n_first, n_out, delta)
                         if per_token:
-                            plan.realised_speedup = self._route_state.realised_speedup(plan.batch, per_token)
+                            run.realised_speedup = self._route_state.realised_speedup(run.plan.batch, per_token)
                     yield delta
             finally:
                 await gen.aclose()
         finally:
-            self._count(plan.pool, -1)  # where it finished: a migrated request moved
+            self._count(run.pool, -1)  # where it finished: a migrated request moved
             try:
-                self._report(plan, last, per_token, time.perf_counter() - t0,
+                self._report(run, last, per_token, time.perf_counter() - t0,
                              _time_to_first_token(t0, t_first, n_first, n_out, last))
             except Exception:
                 logger.exception("metrics update failed")
@@ -129,72 +133,73 @@ class Pools:
         self.active[pool] += n
         self._metrics.set_running(pool, self.active[pool])
 
-    def _report(self, plan: Plan, last: Delta | None, per_token: float, latency_s: float,
+    def _report(self, run: Execution, last: Delta | None, per_token: float, latency_s: float,
                 ttft_s: float | None) -> None:
         """A request ended: the route state learns from its stats, the metrics record it."""
-        d = plan.decision
+        d = run.plan.decision
         stats = last.stats if last is not None and last.finished else None
-        if stats is not None and per_token and not plan.migrations:  # a re-prefill is no step time
-            self._route_state.observe_timing(plan.pool, plan.batch, stats, per_token, plan.traffic_class)
+        if stats is not None:
+            self._route_state.learn(run.pool, run.plan.batch, run.plan.traffic_class, stats, per_token,
+                                    migrated=run.migrations > 0)
         if stats is not None and stats.proposed:
-            self._route_state.observe(plan.traffic_class, stats)
             tr = self._route_state.tracker
-            self._metrics.acceptance(plan.traffic_class, tr.estimate(plan.traffic_class),
-                                     tr.position_rates(plan.traffic_class))
-        self._metrics.finished(plan.pool, d.k, d.topology, last.finish_reason if stats is not None else "abort",
-                               stats, latency_s, d.regime, plan.realised_speedup, ttft_s, per_token)
+            self._metrics.acceptance(run.plan.traffic_class, tr.estimate(run.plan.traffic_class),
+                                     tr.position_rates(run.plan.traffic_class))
+        self._metrics.finished(run.pool, d.k, d.topology, last.finish_reason if stats is not None else "abort",
+                               stats, latency_s, d.regime, run.realised_speedup, ttft_s, per_token)
 
-    async def _migrating(self, plan: Plan) -> AsyncIterator[Delta]:
+    async def _migrating(self, run: Execution) -> AsyncIterator[Delta]:
         emitted: list[int] = []
         sent_chars = 0
         while True:
-            resume = Resume(emitted, sent_chars) if plan.migrations else None
-            gen = (self.separate.generate(plan.request_id, plan.prompt_ids, plan.params, self._interval(plan), resume)
-                   if plan.pool == "separate" else self._run_engine(plan, resume))
+            resume = Resume(emitted, sent_chars) if run.migrations else None
+            plan = run.plan
+            gen = (self.separate.generate(plan.request_id, plan.prompt_ids, plan.params, self._interval(run), resume)
+                   if run.pool == Pool.SEPARATE else self._run_engine(run, resume))
             try:
                 async for delta in gen:
                     emitted += delta.token_ids
                     sent_chars += len(delta.text)
                     yield delta
                 return
-            except MIGRATABLE:
-                if plan.migrations >= self._cfg.migration_limit:
-                    raise
-                lost = plan.pool
+            except MIGRATABLE as exc:
+                if run.migrations >= self._cfg.migration_limit:
+                    raise PoolUnavailable(f"request {run.plan.request_id}: no replica could finish it") from exc
+                lost = run.pool
                 self._lost(lost)
-                plan.pool = self._migration_pool(lost)
-                plan.migrations += 1
+                run.pool = self._migration_pool(lost)
+                run.migrations += 1
                 self.migrations += 1
                 self._count(lost, -1)
-                self._count(plan.pool, +1)
+                self._count(run.pool, +1)
                 self._metrics.migrations.inc(tags={"pool": lost})
-                logger.warning("request %s: %s replica lost after %d tokens; continuing on %s", plan.request_id,
-                               lost, len(emitted), plan.pool, exc_info=True)
+                logger.warning("request %s: %s replica lost after %d tokens; continuing on %s", run.plan.request_id,
+                               lost, len(emitted), run.pool, exc_info=True)
             finally:
                 await gen.aclose()
 
-    def _migration_pool(self, lost: str) -> str:
+    def _migration_pool(self, lost: Pool) -> Pool:
         """Where a request goes when the replica serving it died: the same engine pool if it has
         other replicas, else another engine pool (the plain pool first: it needs no draft)."""
-        if lost != "separate" and self.replicas.get(lost, 1) > 1:
+        if lost != Pool.SEPARATE and self.replicas.get(lost, 1) > 1:
             return lost
-        others = [p for p in ("plain", "colocated") if p in self.engines and p != lost]
+        others = [p for p in (Pool.PLAIN, Pool.COLOCATED) if p in self.engines and p != lost]
         up = [p for p in others if p not in self.down]
         return (up or others or [lost])[0]
 
-    def _interval(self, plan: Plan) -> float | None:
+    def _interval(self, run: Execution) -> float | None:
         """How often a request's deltas go out: per ``stream_interval_s`` streamed, once otherwise."""
-        return self._cfg.stream_interval_s if plan.stream else None
+        return self._cfg.stream_interval_s if run.plan.stream else None
 
-    async def _run_engine(self, plan: Plan, resume: Resume | None) -> AsyncIterator[Delta]:
-        params = plan.params_for(plan.pool)
+    async def _run_engine(self, run: Execution, resume: Resume | None) -> AsyncIterator[Delta]:
+        params = run.plan.params_for(run.pool)
         # An adaptive request carries the router's drift: the replica prices its steps with it (one view).
         drift = self._route_state.drift if params.adaptive_k else None
-        req = GenerateRequest(plan.request_id, plan.prompt_ids, params, self._interval(plan), resume, drift)
+        req = GenerateRequest(run.plan.request_id, run.plan.prompt_ids, params, self._interval(run), resume, drift)
         # Serve's gRPC transport (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on for every handle):
         # a streamed call costs half of the actor transport's here (BENCHMARKS.md, "Serving overhead").
         # Nothing on this path needs an object ref.
-        responses = self.engines[plan.pool].options(stream=True, _by_reference=False).generate.remote(req)
+        responses = self.engines[run.pool].options(stream=True, _by_reference=False).generate.remote(req)
         finished = False
         try:
             async for d in responses:

@@ -15,15 +15,15 @@ from collections.abc import AsyncIterator, Callable
 from deployments import schemas
 from deployments.api import APIError, internal_error_message, sse_event
 from deployments.messages import Delta
-from deployments.planning import Plan, unavailable
-from deployments.pools import MIGRATABLE
+from deployments.planning import Execution, unavailable
+from deployments.pools import PoolUnavailable
 from specdec_core import RequestStats
 
 logger = logging.getLogger("ray.serve")
 
 
-def speculation(plan: Plan, stats: RequestStats, costs_source: str) -> dict:
-    d = plan.decision
+def speculation(run: Execution, stats: RequestStats, costs_source: str) -> dict:
+    plan, d = run.plan, run.plan.decision
     return {
         "mode": "speculative" if stats.proposed else "plain",  # what ran: an adaptive request may run plain
         "routed_mode": "speculative" if d.k > 0 else "plain",
@@ -35,22 +35,23 @@ def speculation(plan: Plan, stats: RequestStats, costs_source: str) -> dict:
         "mean_acceptance_length": stats.mean_acceptance_length,
         "verify_steps": stats.verify_steps,
         "plain_steps": stats.plain_steps,  # decode steps without draft tokens (adaptive K = 0)
-        "pool": plan.pool,
+        "pool": run.pool,
         "adaptive_k": plan.params.adaptive_k,
         "probe": plan.probe,
         "regime": d.regime,
         "predicted_speedup": d.predicted_speedup,
-        "realised_speedup": plan.realised_speedup,
+        "realised_speedup": run.realised_speedup,
         "batch": plan.batch,
         "route_reason": d.reason,
         "costs_source": costs_source,
-        "migrations": plan.migrations,
+        "migrations": run.migrations,
     }
 
 
-async def complete(plan: Plan, deltas: AsyncIterator[Delta], costs_source: str) -> dict:
+async def complete(run: Execution, deltas: AsyncIterator[Delta], costs_source: str) -> dict:
     """The whole response as one body. Errors while it runs become ``APIError`` (500, or 503 with
     ``Retry-After`` when no replica could finish it) without internals."""
+    plan = run.plan
     text, token_ids, last = [], [], None
     try:
         async for d in deltas:
@@ -59,7 +60,7 @@ async def complete(plan: Plan, deltas: AsyncIterator[Delta], costs_source: str) 
             last = d
     except APIError:
         raise
-    except MIGRATABLE:
+    except PoolUnavailable:
         logger.exception("request %s: no replica could finish it", plan.request_id)
         raise unavailable(plan.request_id) from None
     except Exception:
@@ -70,15 +71,16 @@ async def complete(plan: Plan, deltas: AsyncIterator[Delta], costs_source: str) 
     stats = last.stats if last and last.stats else RequestStats()
     build = schemas.chat_body if plan.chat else schemas.completion_body
     return build(plan.request_id, schemas.now(), plan.model, "".join(text), last.finish_reason if last else None,
-                 schemas.usage(len(plan.prompt_ids), len(token_ids)), speculation(plan, stats, costs_source),
+                 schemas.usage(len(plan.prompt_ids), len(token_ids)), speculation(run, stats, costs_source),
                  token_ids if plan.return_token_ids else None)
 
 
-async def stream(plan: Plan, deltas: AsyncIterator[Delta], costs_source: str, on_end: Callable[[], None]
+async def stream(run: Execution, deltas: AsyncIterator[Delta], costs_source: str, on_end: Callable[[], None]
                  ) -> AsyncIterator[str]:
     """SSE events, one write per delta; a failure mid-stream ends it with an error event and
     ``[DONE]``, so a client can tell it from a complete stream. ``on_end`` runs first when the
     stream ends (the awaited close after it can be interrupted by a second cancellation)."""
+    plan = run.plan
     created = schemas.now()
     n_out, done = 0, False
     pending = [sse_event(schemas.chat_chunk(plan.request_id, created, plan.model,
@@ -86,7 +88,7 @@ async def stream(plan: Plan, deltas: AsyncIterator[Delta], costs_source: str, on
     try:
         async for d in deltas:
             n_out += len(d.token_ids)
-            events, pending = pending + _delta_events(plan, d, created, n_out, costs_source), []
+            events, pending = pending + _delta_events(run, d, created, n_out, costs_source), []
             if d.finished:
                 events.append("data: [DONE]\n\n")
                 done = True
@@ -103,7 +105,8 @@ async def stream(plan: Plan, deltas: AsyncIterator[Delta], costs_source: str, on
         await deltas.aclose()
 
 
-def _delta_events(plan: Plan, d: Delta, created: int, n_out: int, costs_source: str) -> list[str]:
+def _delta_events(run: Execution, d: Delta, created: int, n_out: int, costs_source: str) -> list[str]:
+    plan = run.plan
     rid, model = plan.request_id, plan.model
     ids = d.token_ids if plan.return_token_ids else None
     if not d.finished:
@@ -112,7 +115,7 @@ def _delta_events(plan: Plan, d: Delta, created: int, n_out: int, costs_source: 
         if plan.chat:
             return [sse_event(schemas.chat_chunk(rid, created, model, {"content": d.text}, None, ids))]
         return [sse_event(schemas.completion_chunk(rid, created, model, d.text, None, ids))]
-    spec = speculation(plan, d.stats or RequestStats(), costs_source)
+    spec = speculation(run, d.stats or RequestStats(), costs_source)
     if plan.chat:
         chunk = schemas.chat_chunk(rid, created, model, {"content": d.text} if d.text else {}, d.finish_reason, ids)
     else:

@@ -24,17 +24,15 @@ import time
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from autoscaling.exploration import Exploration
-from autoscaling.routing import RoutingThresholds
-from autoscaling.traffic_classes import DomainTable
+from autoscaling.routing import Pool
 from deployments import api, operators, responses, schemas
 from deployments.admission import Admission, AdmittedStreamingResponse
 from deployments.api import APIError, app
-from deployments.config import AppConfig, model_label
+from deployments.config import AppConfig
 from deployments.metrics import RouterMetrics
-from deployments.planning import Prompts, check_supported, plan_request
+from deployments.planning import Execution, Prompts, check_supported, plan_request
 from deployments.pools import Pools
-from deployments.regimes import RouteState
+from deployments.route_state import RouteState
 from deployments.separate_loop import SeparateLoop
 from specdec_core.acceptance import AcceptanceTracker
 
@@ -56,16 +54,9 @@ class Router:
         self.cfg = cfg = AppConfig(**config)
         self.prompts = Prompts(cfg)
         self.metrics = RouterMetrics(max_domain_labels=1 + cfg.max_traffic_classes + cfg.traffic_class_buckets)
-        tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight, cfg.acceptance_half_life_tokens,
-                                    half_life_s=cfg.acceptance_half_life_s, clock=time.monotonic)
-        self.route_state = RouteState(model_label(cfg.draft), tracker, cfg.k_max, cfg.default_k,
-                                      self.prompts.max_model_len, cfg.separate_hop_overhead_s, cfg.separate_overlap,
-                                      RoutingThresholds(margin=cfg.route_margin),
-                                      DomainTable(cfg.max_traffic_classes, cfg.traffic_class_buckets,
-                                                  cfg.traffic_class_promote_after),
-                                      Exploration(cfg.probe_share))
+        self.route_state = RouteState.from_config(cfg, self.prompts.max_model_len)
         self.admission = Admission(cfg.max_inflight_requests, self.metrics)
-        engines = {name: h for name, h in (("plain", plain), ("colocated", colocated)) if h is not None}
+        engines = {name: h for name, h in ((Pool.PLAIN, plain), (Pool.COLOCATED, colocated)) if h is not None}
         separate = None if target is None else SeparateLoop(
             draft, target, self.prompts.tokenizer, self.prompts.eos_ids, self.prompts.max_model_len,
             cfg.step_timeout_s, self.route_state.separate_adaptive(AcceptanceTracker(
@@ -143,12 +134,13 @@ class Router:
             self.metrics.rejected.inc(tags={"status": str(exc.status)})
             raise
         slot = self.admission.admit()
-        deltas = self.pools.generate(plan)
+        run = Execution.of(plan)
+        deltas = self.pools.generate(run)
         if body.stream:
-            events = responses.stream(plan, deltas, self.route_state.costs_source, slot.release)
+            events = responses.stream(run, deltas, self.route_state.costs_source, slot.release)
             return AdmittedStreamingResponse(events, slot, media_type="text/event-stream")
         try:
-            return await responses.complete(plan, deltas, self.route_state.costs_source)
+            return await responses.complete(run, deltas, self.route_state.costs_source)
         finally:
             slot.release()
 
@@ -171,7 +163,7 @@ class Router:
 
     async def _ensure_costs(self) -> None:
         """Fetch the co-located replicas' calibrated step costs once (until then: the prior table)."""
-        colocated = self.pools.engines.get("colocated")
+        colocated = self.pools.engines.get(Pool.COLOCATED)
         if self.route_state.calibrated or colocated is None or time.monotonic() < self._costs_retry_at:
             return
         self._costs_retry_at = time.monotonic() + COSTS_RETRY_S

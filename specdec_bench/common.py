@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS", Path(__file__).resolve().parent.parent / "models"))
+# The served family by default (its target streams its weights from DRAM, as a GPU's from HBM); the tiny
+# family (models/, the test fixtures) with SPECDEC_MODELS=models or --models models.
+MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS", Path(__file__).resolve().parent.parent / "models" / "dram"))
 
 
 def machine_facts(threads: int) -> dict:

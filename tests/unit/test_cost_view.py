@@ -13,7 +13,7 @@ import pytest
 
 from autoscaling.routing import PoolLoad
 from autoscaling.traffic_classes import DomainTable
-from deployments.regimes import RouteState
+from deployments.route_state import RouteState
 from specdec_core import AcceptanceTracker, AdaptiveK
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import StepCosts

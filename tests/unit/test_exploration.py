@@ -8,7 +8,7 @@ import pytest
 from autoscaling.exploration import Exploration
 from autoscaling.routing import PROBE_K, PoolLoad
 from autoscaling.traffic_classes import DomainTable
-from deployments.regimes import RouteState
+from deployments.route_state import RouteState
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.costmodel import StepCosts
 from specdec_core.stats import RequestStats

@@ -13,7 +13,7 @@ from autoscaling.routing import PoolLoad, RoutingError
 from autoscaling.traffic_classes import DomainTable
 from deployments.config import AppConfig, resolve_model_path
 from deployments.messages import Delta
-from deployments.regimes import PRIOR_COSTS, RouteState, objective_of, with_hops
+from deployments.route_state import PRIOR_COSTS, RouteState, objective_of, with_hops
 from deployments.session_router import SessionAffinityRouter, owner
 from specdec_core import SamplingParams
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass

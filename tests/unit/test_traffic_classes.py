@@ -7,7 +7,7 @@ import pytest
 
 from autoscaling.routing import PoolLoad
 from autoscaling.traffic_classes import BUCKET_PREFIX, DEFAULT_DOMAIN, DomainTable
-from deployments.regimes import RouteState
+from deployments.route_state import RouteState
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from autoscaling.exploration import Exploration
 from autoscaling.routing import (
     PLAIN_POOL,
+    POOLS,
     SPEC_TOPOLOGIES,
     PoolLoad,
     RequestFeatures,
@@ -27,19 +28,17 @@ from autoscaling.routing import (
     RoutingDecision,
     RoutingError,
     RoutingThresholds,
-    cost_probe_route,
-    probe_route,
     route,
+    scheduled_probe,
 )
 from autoscaling.traffic_classes import DomainTable
+from deployments.config import AppConfig, model_label
 from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts, StepDrift
 from specdec_core.request import RequestState
 from specdec_core.stats import RequestStats
-
-POOLS = ("plain", "colocated", "separate")
 
 # Prior step costs until a co-located replica's calibration arrives: docs/ARCHITECTURE.md's CPU table (Facts)
 # (17M target, 1.9M draft, fp32, 2 threads, context 64), seconds. Only q = 1 and 9 were measured;
@@ -117,6 +116,17 @@ class RouteState:
         self.clock = clock
         self._separate_adaptive: AdaptiveK | None = None
         self.set_costs(PRIOR_COSTS)
+
+    @classmethod
+    def from_config(cls, cfg: AppConfig, context_limit: int, clock: Callable[[], float] = time.monotonic
+                    ) -> RouteState:
+        """The router's state as the app's config sets it up."""
+        tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight, cfg.acceptance_half_life_tokens,
+                                    half_life_s=cfg.acceptance_half_life_s, clock=clock)
+        return cls(model_label(cfg.draft), tracker, cfg.k_max, cfg.default_k, context_limit,
+                   cfg.separate_hop_overhead_s, cfg.separate_overlap, RoutingThresholds(margin=cfg.route_margin),
+                   DomainTable(cfg.max_traffic_classes, cfg.traffic_class_buckets, cfg.traffic_class_promote_after),
+                   Exploration(cfg.probe_share), clock)
 
     # ---- costs -------------------------------------------------------------------------------
     def set_costs(self, costs: StepCosts, source: str | None = None, sampled_costs: StepCosts | None = None
@@ -202,26 +212,34 @@ class RouteState:
         for its acceptance sends its scheduled probes to speculation. Raises RoutingError."""
         ctx = self.context(features, loads)
         d = route(ctx)
-        probe = probe_route(ctx, d)
-        if probe is not None and self.exploration.probe_due(features.traffic_class, self.clock()):
-            return Route(probe, probe.pool, loads[probe.pool].joined_batch(), False, features.traffic_class, True)
-        probe = cost_probe_route(ctx, d)
+        probe = scheduled_probe(ctx, d, self.exploration, self.cost_probes, self._plain_measured, self.clock())
         if probe is not None:
-            bucket = self.drift.bucket(loads[PLAIN_POOL].joined_batch())
-            measured = self.drift.buckets.get(bucket)
-            if (measured is None or measured.plain_steps < self.drift.min_steps) \
-                    and self.cost_probes.probe_due(bucket, self.clock()):
-                return Route(probe, PLAIN_POOL, loads[PLAIN_POOL].joined_batch(), False, features.traffic_class, True)
+            return Route(probe, probe.pool, loads[probe.pool].joined_batch(), False, features.traffic_class, True)
         pool = d.pool
         if pool == PLAIN_POOL and PLAIN_POOL not in loads:
             pool = next((p for p in POOLS if p in loads), None)  # a spec pool decodes plain with K=0
             if pool is None:
                 raise RoutingError("no pool is deployed")
         # Adaptive K runs in a co-located replica's engine, and in the separate loop's scheduler (the same AdaptiveK).
-        adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in ("colocated", "separate")
+        adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in SPEC_TOPOLOGIES
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 
+    def _plain_measured(self, batch: int) -> tuple[int, bool]:
+        """The drift bucket of ``batch`` and whether served plain steps there are measured."""
+        bucket = self.drift.bucket(batch)
+        seen = self.drift.buckets.get(bucket)
+        return bucket, seen is not None and seen.plain_steps >= self.drift.min_steps
+
     # ---- feedback ------------------------------------------------------------------------------
+    def learn(self, pool: str, batch: int, cls: TrafficClass, stats: RequestStats, seconds_per_token: float,
+              migrated: bool) -> None:
+        """A request finished: its judged draft tokens teach the acceptance estimate of its class, its
+        measured time per token the served drift (not after a migration: a re-prefill is no step time)."""
+        if seconds_per_token and not migrated:
+            self.observe_timing(pool, batch, stats, seconds_per_token, cls)
+        if stats.proposed:
+            self.observe(cls, stats)
+
     def observe(self, cls: TrafficClass, stats: RequestStats) -> None:
         """A finished request's speculation stats: judged positions per position
         (``proposed_per_position``) and accepted per position, the MLE of acceptance.py."""
