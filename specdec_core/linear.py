@@ -29,7 +29,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 PACKED_MAX_ROWS = 64  # bounds the distinct oneDNN primitives (memory kept per row count)
-PROBE_ROWS = (3, 4, 8, 16, 32, 64)  # row counts timed when a weight shape is first seen
+# Row counts timed when a weight shape is first seen. 2 is among them: unprobed, a 2-row product took
+# x @ W^T's path, and on the AMD EPYC host a 2-token forward of the served target cost 1.6x a 1-token
+# one (11.3 against 6.8 ms) while 3-5 tokens cost ~1.0x; probed, the packed kernel takes it (6.8 ms),
+# which is a K=1 verify and a batch-2 plain step.
+PROBE_ROWS = (2, 3, 4, 8, 16, 32, 64)
 WIN_MARGIN = 0.85  # packed must take <= 85% of x @ W^T's time: a near tie keeps the plain product,
 # so two replicas on one host do not pick different kernels from timing noise
 
