@@ -201,3 +201,31 @@ def test_adaptive_k_is_the_seam_a_draft_that_costs_a_verify_goes_plain():
     plan = sched.schedule(8)
     assert plan.ks == (0, 4)
     assert plan.decode[0].k_state is not None
+
+
+def test_a_drafts_catch_up_prefill_is_no_regret():
+    """A long prompt's first speculative step also prefills the draft on the whole prompt: slow, and
+    priced when the row chose to speculate. It must not count against speculation (the regret guard
+    would stop the request there: seen as auto at 0.84x of the best mode on long prompts); a slow
+    steady step does."""
+    from specdec_core.adaptive import Phase
+
+    cheap = StepCosts((1, 8), (1, 5), ((1.0, 1.0), (1.0, 1.0)), (0.05, 0.05), source="test")
+
+    def first_spec_step(prompt_len: int) -> ScheduledRequest:
+        adaptive = AdaptiveK(CostView(cheap), AcceptanceTracker(prior_mean=0.8), "d", "colocated")
+        sched, ex = Scheduler(4, 1024, speculative=True, adaptive=adaptive), FakeExecutor(good=0)
+        req = ScheduledRequest("r", list(range(1, prompt_len + 1)), SamplingParams(
+            max_new_tokens=64, num_speculative_tokens=4, adaptive_k=True, ignore_eos=True), _Tok(), set())
+        sched.add(req)
+        for _ in range(2):  # the prefill, then the first decode step: the draft catches up on the prompt
+            plan = sched.schedule(8)
+            result = ex.execute(plan)
+            result.timing.propose_s = 30.0 if plan.decode else 0.0  # 30 plain steps' worth
+            sched.commit(plan, result)
+        return req
+
+    req = first_spec_step(prompt_len=500)
+    assert req.stats.proposed > 0 and req.k_state.phase is not Phase.STOPPED
+    req = first_spec_step(prompt_len=1)  # nothing to catch up on: the slow step is a real loss
+    assert req.stats.proposed > 0 and req.k_state.phase is Phase.STOPPED
