@@ -250,11 +250,12 @@ class Scheduler:
         # A draft's catch-up prefill (the prompt, or what plain steps emitted) is not a step cost: it
         # was priced when the row chose to speculate (``AdaptiveK``: it must pay for itself), so it is
         # neither regret (a long prompt's first speculative step would stop the request at once) nor drift.
-        if catch_up > 2:
-            return
-        self._account_regret(rows, result.proposals, before, step_s)
-        # Steps whose rows all proposed K tokens teach adaptive K how far real steps run from the calibration.
-        if len(proposed) == 1:
+        # Plain steps feed no draft: they are always step costs.
+        if catch_up <= 2:
+            self._account_regret(rows, result.proposals, before, step_s)
+        # Steps whose rows all proposed K tokens (or none) teach adaptive K how far real steps run from
+        # the calibration.
+        if len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
             self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), len(rows),
                                        proposed.pop(), step_s)
 

@@ -229,3 +229,19 @@ def test_a_drafts_catch_up_prefill_is_no_regret():
     assert req.stats.proposed > 0 and req.k_state.phase is not Phase.STOPPED
     req = first_spec_step(prompt_len=1)  # nothing to catch up on: the slow step is a real loss
     assert req.stats.proposed > 0 and req.k_state.phase is Phase.STOPPED
+
+
+def test_plain_steps_after_plain_steps_still_teach_the_measured_plain_step():
+    """A row that decodes plain leaves its draft further behind every step (its catch-up grows), but
+    a plain step feeds no draft: its time is a plain step's, which the regret guard measures against."""
+    adaptive = AdaptiveK(CostView(StepCosts((1, 8), (1, 5), ((1.0, 1.2), (1.0, 1.2)), (1.0, 1.0), source="t")),
+                         AcceptanceTracker(prior_mean=0.5), "d", "colocated")
+    sched, ex = Scheduler(4, 256, speculative=True, adaptive=adaptive), FakeExecutor()
+    sched.add(request("auto", n=30, k=4, adaptive_k=True))
+    for _ in range(8):
+        plan = sched.schedule(8)
+        result = ex.execute(plan)
+        result.timing.verify_s = 2.0 if plan.decode else 0.0  # served plain steps: twice the calibration
+        sched.commit(plan, result)
+    assert plan.ks == (0,) and plan.decode[0].draft_catch_up > 2
+    assert adaptive.plain_step_time(adaptive.traffic_class(0.0, "default"), 8, 1) == pytest.approx(2.0, rel=0.05)
