@@ -237,11 +237,12 @@ def test_plain_steps_after_plain_steps_still_teach_the_measured_plain_step():
     adaptive = AdaptiveK(CostView(StepCosts((1, 8), (1, 5), ((1.0, 1.2), (1.0, 1.2)), (1.0, 1.0), source="t")),
                          AcceptanceTracker(prior_mean=0.5), "d", "colocated")
     sched, ex = Scheduler(4, 256, speculative=True, adaptive=adaptive), FakeExecutor()
-    sched.add(request("auto", n=30, k=4, adaptive_k=True))
-    for _ in range(8):
+    sched.add(request("auto", n=60, k=4, adaptive_k=True))
+    for step in range(50):
         plan = sched.schedule(8)
         result = ex.execute(plan)
-        result.timing.verify_s = 2.0 if plan.decode else 0.0  # served plain steps: twice the calibration
+        # plain steps as calibrated at first, then twice as slow (another tenant, a served replica's loop)
+        result.timing.verify_s = (1.0 if step < 3 else 2.0) if plan.decode else 0.0
         sched.commit(plan, result)
     assert plan.ks == (0,) and plan.decode[0].draft_catch_up > 2
-    assert adaptive.plain_step_time(adaptive.traffic_class(0.0, "default"), 8, 1) == pytest.approx(2.0, rel=0.05)
+    assert adaptive.plain_step_time(adaptive.traffic_class(0.0, "default"), 8, 1) > 1.8
