@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
-from deployments.channel_executor import DRAFT_RETRY_S, ChannelExecutor, OverlapPolicy, ReplicaLost
+from deployments.channel_executor import DRAFT_RETRY_S, ChannelExecutor, OverlapPolicy
 from deployments.messages import Delta, Resume
 from deployments.metrics import RouterMetrics, log_request
 from specdec_core import RequestOutput, SamplingParams
@@ -35,7 +35,6 @@ from specdec_core.scheduler import ScheduledRequest, Scheduler, StepPlan
 
 logger = logging.getLogger("ray.serve")
 
-__all__ = ["ReplicaLost", "SeparateLoop"]
 UNBOUNDED = 1 << 30  # the loop admits every request at once: the Target replicas bound their own slots
 
 
