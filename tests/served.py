@@ -12,7 +12,7 @@ from specdec_bench import local_app
 from specdec_bench.local_app import free_port, sse_events  # noqa: F401 - the tests' helpers, one copy
 
 MAX_LEN = 512
-MAX_INFLIGHT = 20
+MAX_INFLIGHT = 32
 APP = "specdec"
 
 PLAIN = {"mode": "plain"}

@@ -353,8 +353,10 @@ def test_auto_adaptive_k_drops_to_plain_inside_replica(client):
 
 def test_auto_burst_goes_plain_in_large_batch_regime(server):
     """Concurrent auto requests, each its own traffic class (fresh `user`: acceptance = the prior):
-    the first ones speculate; once the co-located pool's batch passes the synthetic costs' break-even
-    (7 at a = 0.9) the rest go to the plain pool, labelled large_batch."""
+    the first ones speculate; once both spec pools' batches pass break-even at a = 0.9 (under the
+    synthetic costs co-located batch 7, separate 5 per Target replica, i.e. 8 sequences on its two;
+    the served drift moves both a little) the rest go to the plain pool, labelled large_batch. The
+    burst (30) is larger than the two pools' paying capacity plus the cost probes, so some must."""
     wait_idle(server)
     n = MAX_INFLIGHT - 2
 
@@ -362,17 +364,18 @@ def test_auto_burst_goes_plain_in_large_batch_regime(server):
         async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
             async def one(i):
                 r = await ac.post("/v1/completions", json={
-                    "model": "tiny", "prompt": f"Burst {i}: it is a truth", "max_tokens": 48, "temperature": 0,
+                    "model": "tiny", "prompt": f"Burst {i}: it is a truth", "max_tokens": 64, "temperature": 0,
                     "ignore_eos": True, "user": f"burst-{i}"})
                 assert r.status_code == 200, r.text
                 return r.json()["speculation"]
             return await asyncio.gather(*(one(i) for i in range(n)))
 
     specs = asyncio.run(burst())
-    spec_pool = [s for s in specs if s["pool"] == "colocated"]
+    seen = [(s["pool"], s["batch"], s["probe"], s["regime"]) for s in specs]
+    spec_pool = [s for s in specs if s["pool"] in ("colocated", "separate")]
     plain = [s for s in specs if s["pool"] == "plain" and not s["probe"]]  # a cost probe runs plain too
-    assert spec_pool and all(s["regime"] == "favorable" and s["batch"] <= 6 for s in spec_pool), specs
-    assert plain and all(s["regime"] == "large_batch" and s["num_speculative_tokens"] == 0 for s in plain), specs
+    assert spec_pool and all(s["regime"] == "favorable" and s["predicted_speedup"] > 1.05 for s in spec_pool), seen
+    assert plain and all(s["regime"] == "large_batch" and s["num_speculative_tokens"] == 0 for s in plain), seen
     wait_idle(server)
 
 
