@@ -96,8 +96,30 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds of load before the window (and a replacement replica's own warm-up)")
     p.add_argument("--kill-every", type=float, default=120.0, help="seconds between kills")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0, help="which replicas get killed")
+    p.add_argument("--seed", type=int, default=0, help="which replicas (and nodes) go")
+    p.add_argument("--nodes", action="store_true",
+                   help="start --config's app on a head and two worker nodes of this machine (not --url) and "
+                        "remove worker nodes as well")
+    p.add_argument("--config", default=str(ROOT / "serve_config.yaml"), help="with --nodes: the app to start")
+    p.add_argument("--node-every", type=float, default=180.0, help="with --nodes: seconds between node removals")
+    p.add_argument("--node-down", type=float, default=20.0, help="with --nodes: seconds a removed node stays away")
     p.set_defaults(func=_faults)
+
+    p = sub.add_parser("autoscale", help="the plain pool autoscaled across the nodes of a local multi-node "
+                                         "cluster under a load step")
+    _server_load_args(p)
+    p.add_argument("--app", default="specdec", help="the Serve application's name")
+    p.add_argument("--config", default=str(ROOT / "serve_config.yaml"), help="the app to start")
+    p.add_argument("--low", type=int, default=1, help="concurrency before and after the step")
+    p.add_argument("--high", type=int, default=8, help="concurrency during the step")
+    p.add_argument("--before", type=float, default=30.0, help="seconds at --low before the step")
+    p.add_argument("--step", type=float, default=90.0, help="seconds at --high")
+    p.add_argument("--after", type=float, default=60.0, help="seconds at --low after the step")
+    p.add_argument("--target-ongoing", type=float, default=4.0, help="sequences per plain replica the policy aims at")
+    p.add_argument("--up-delay", type=float, default=5.0, help="seconds a wish to scale up must hold")
+    p.add_argument("--down-delay", type=float, default=20.0, help="seconds a wish to scale down must hold")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.set_defaults(func=_autoscale)
 
     p = sub.add_parser("gpu", help="CUDA sweep: large random-init shapes, oracle draft of controlled acceptance")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
@@ -183,6 +205,13 @@ def _faults(args) -> None:
 
     data = run_faults(args)
     _emit(args, "faults", data, faults_markdown(data))
+
+
+def _autoscale(args) -> None:
+    from specdec_bench.autoscale import autoscale_markdown, run_autoscale
+
+    data = run_autoscale(args)
+    _emit(args, "autoscale", data, autoscale_markdown(data))
 
 
 def _metrics(args) -> None:

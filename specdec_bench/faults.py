@@ -12,6 +12,12 @@ process's growth is reported from when it was warm (the measured window's start 
 processes, ``--warmup`` seconds after it appeared for a replacement, which starts cold) to its last
 sample. Replicas are found by process name (``ray::ServeReplica:<app>:<deployment>``) on this
 machine, so run one server of that app name at a time.
+
+``--nodes``: instead of a running server, the benchmark starts the config's app on a head and two
+worker nodes of this machine (``specdec_bench/nodes.py``: the Target on one worker, the Draft on the
+other, a plain replica on each, two routers on the head) and, besides the replica kills, removes a
+random worker node every ``--node-every`` seconds (its raylet, object store and every replica on it
+at once), bringing it back ``--node-down`` seconds later with the same resources.
 """
 
 from __future__ import annotations
@@ -69,10 +75,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, i: int
 RSS_EVERY_S = 15.0
 
 
-async def _run(args) -> dict:
+async def _run(args, nodes=None) -> dict:
+    """The load, the kills and, given ``nodes`` (nodes.Nodes), the node losses."""
     prompts = load_prompts(args.prompts)
     rng = random.Random(args.seed)
-    results, kills = [], []
+    results, kills, node_losses = [], [], []
     samples: dict[int, list[tuple[float, str, float]]] = {}  # pid -> [(s since the window's start, deployment, MiB)]
     async with httpx.AsyncClient(base_url=args.url, timeout=300) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -110,7 +117,22 @@ async def _run(args) -> dict:
                 kills.append({"t_s": round(time.monotonic() - window, 1), "deployment": name})
                 print(f"killed {name} (pid {pids[name]})", flush=True)
 
-        await asyncio.gather(sampler(), killer(), *[worker() for _ in range(args.concurrency)])
+        async def node_loser():
+            next_loss = window + args.node_every / 2 + args.kill_every / 4  # not on a replica kill's beat
+            while next_loss < stop_at - args.node_down:
+                await asyncio.sleep(max(0.0, next_loss - time.monotonic()))
+                next_loss += args.node_every
+                name = rng.choice(sorted(nodes.workers))
+                t = time.monotonic() - window
+                await asyncio.to_thread(nodes.remove, name)
+                print(f"removed node {name}", flush=True)
+                await asyncio.sleep(args.node_down)
+                await asyncio.to_thread(nodes.add, name)
+                node_losses.append({"t_s": round(t, 1), "node": name, "back_s": round(time.monotonic() - window, 1)})
+                print(f"node {name} back", flush=True)
+
+        losers = [node_loser()] if nodes is not None else []
+        await asyncio.gather(sampler(), killer(), *losers, *[worker() for _ in range(args.concurrency)])
         await asyncio.sleep(2.0)  # releases of the last requests
         stats = (await client.get("/v1/stats")).json()
     ok = [r for r in results if r["ok"]]
@@ -124,6 +146,8 @@ async def _run(args) -> dict:
         "latency_s": {"p50": statistics.median(lat) if lat else None,
                       "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None},
         "kills": kills,
+        "node_losses": node_losses,
+        "placement": None if nodes is None else placement_now(args.app, nodes),
         "rss": rss_growth(samples, args.warmup),
         "kv_free_at_end": all(r.get("free_slots") == r.get("total_slots") and not r.get("sessions") for r in replicas),
     }
@@ -146,8 +170,22 @@ def rss_growth(samples: dict[int, list[tuple[float, str, float]]], warmup_s: flo
     return sorted(rows, key=lambda r: (r["deployment"], r["first_seen_s"]))
 
 
+def placement_now(app: str, nodes) -> dict[str, list[str]]:
+    """Deployment -> the node names its live replicas are on."""
+    from specdec_bench.nodes import replica_nodes
+
+    return {d: sorted(nodes.name_of(n) for n in replica_nodes(app, d)) for d in ("Router", *DEPLOYMENTS)}
+
+
 def run_faults(args) -> dict:
-    return asyncio.run(_run(args))
+    if not args.nodes:
+        return asyncio.run(_run(args))
+    from specdec_bench.launcher import Service
+    from specdec_bench.nodes import placement, running_cluster_app
+
+    with running_cluster_app(placement(dict(Service(args.config).apps[0].get("args") or {})), args.app) as app:
+        args.url = app["url"]
+        return asyncio.run(_run(args, app["nodes"]))
 
 
 def faults_markdown(data: dict) -> str:
@@ -157,6 +195,10 @@ def faults_markdown(data: dict) -> str:
               f"lost {data['lost']}"),
              f"- latency p50 {data['latency_s']['p50'] or 0:.2f} s, p99 {data['latency_s']['p99'] or 0:.2f} s",
              f"- kills (s into the measured window): {kills}",
+             *(["- nodes removed (s into the measured window): " + ", ".join(
+                 f"{n['node']} at {n['t_s']} s (back {n['back_s']} s)" for n in data["node_losses"])]
+               if data.get("node_losses") else []),
+             *([f"- placement at the end: {data['placement']}"] if data.get("placement") else []),
              f"- every KV slot and session free at the end: {data['kv_free_at_end']}", "",
              "| deployment | pid | first seen (s) | warm at (s) | RSS warm (MiB) | last sample (s) "
              "| RSS then (MiB) | growth |",

@@ -3,18 +3,21 @@
 Target placed on different nodes by custom resources from the config, the separate topology's
 channels crossing nodes. Removing the Target's node mid-stream (its raylet and every replica on it
 gone at once) costs the requests nothing: each finishes whole, identical to the plain output, with
-no error event, and new requests are served."""
+no error event, and new requests are served; once the node is back, Serve places the Target there
+again and the separate topology speculates. The placement is ``specdec_bench/nodes.py``'s (two
+plain replicas on two nodes, two routers on the head), the one the benchmarks run."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import time
 
 import httpx
 import pytest
 from served import APP, PLAIN, SEPARATE, app_args, sse_events, synthetic_costs
+
+from specdec_bench.nodes import placement, replica_nodes, running_cluster_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -22,51 +25,15 @@ PROMPTS = [[7, 3, 11, 5], [2, 9, 4], [5, 5, 1, 8, 3]]
 MAX_TOKENS = 400  # long enough that the node goes while every stream runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster_app(tiny_models, tmp_path_factory):
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    from deployments.app import build_app
     from deployments.calibrate import record, save_calibration
 
     calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
     save_calibration(calibration, record(synthetic_costs(), tiny_models["target"], tiny_models["draft"], "cpu"))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head_node": 1}})
-    target_node = cluster.add_node(num_cpus=1, resources={"target_node": 1})
-    draft_node = cluster.add_node(num_cpus=1, resources={"draft_node": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    on = lambda resource: {"num_cpus": 0.1, "resources": {resource: 0.01}}  # noqa: E731
-    args = {**app_args(tiny_models, calibration), "router": on("head_node"), "plain": on("head_node"),
-            "colocated": on("head_node"), "draft_deployment": on("draft_node"),
-            "target_deployment": on("target_node"), "step_timeout_s": 15.0}
-    port = _free_port()
-    try:
-        # The proxy on the head only: every node's proxy would bind this port on this one machine, and a
-        # stream through the proxy of the node that goes would go with it (README, "Placement across nodes").
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "cluster": cluster, "target_node": target_node,
-               "draft_node": draft_node}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def replica_nodes(deployment: str) -> set[str]:
-    from ray.util.state import list_actors
-
-    return {a.node_id for a in list_actors(filters=[("class_name", "=", f"ServeReplica:{APP}:{deployment}"),
-                                                    ("state", "=", "ALIVE")])}
+    args = placement({**app_args(tiny_models, calibration), "step_timeout_s": 15.0})
+    with running_cluster_app(args, APP) as app:
+        yield app
 
 
 def body(prompt, speculation) -> dict:
@@ -89,10 +56,11 @@ def stream(url: str, prompt, started: concurrent.futures.Future) -> list:
 
 
 def test_target_node_lost_mid_stream_loses_nothing(cluster_app):
-    url = cluster_app["url"]
-    draft_nodes, target_nodes = replica_nodes("Draft"), replica_nodes("Target")
-    assert target_nodes == {cluster_app["target_node"].node_id}
-    assert draft_nodes == {cluster_app["draft_node"].node_id} and draft_nodes != target_nodes
+    url, nodes = cluster_app["url"], cluster_app["nodes"]
+    a, b = nodes.workers["a"].node_id, nodes.workers["b"].node_id
+    assert replica_nodes(APP, "Target") == [a] and replica_nodes(APP, "Draft") == [b]
+    assert sorted(replica_nodes(APP, "PlainPool")) == sorted([a, b])  # a plain_slot each: one per node
+    assert len(replica_nodes(APP, "Router")) == 2
     with httpx.Client(base_url=url, timeout=300) as client:
         refs = [client.post("/v1/completions", json=body(p, PLAIN)).json()["choices"][0]["token_ids"]
                 for p in PROMPTS]
@@ -103,7 +71,7 @@ def test_target_node_lost_mid_stream_loses_nothing(cluster_app):
         streams = [pool.submit(stream, url, p, s) for p, s in zip(PROMPTS, started)]
         concurrent.futures.wait(started, timeout=120, return_when=concurrent.futures.FIRST_COMPLETED)
         t_removed = time.monotonic()
-        cluster_app["cluster"].remove_node(cluster_app["target_node"])  # raylet, object store, replicas: gone
+        nodes.remove("a")  # raylet, object store, the Target and a plain replica: gone
         results = [s.result(timeout=300) for s in streams]
     for events, ref in zip(results, refs):
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), json.dumps(events[-3:])
@@ -114,4 +82,15 @@ def test_target_node_lost_mid_stream_loses_nothing(cluster_app):
     assert time.monotonic() - t_removed < 120
     with httpx.Client(base_url=url, timeout=300) as client:  # no node offers target_node now: plain elsewhere
         r = client.post("/v1/completions", json={**body(PROMPTS[1], SEPARATE), "max_tokens": 8})
-    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs[1][:8], r.text
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs[1][:8], r.text
+        nodes.add("a")  # the node comes back: Serve reschedules the Target there, speculation resumes
+        deadline = time.monotonic() + 180
+        while replica_nodes(APP, "Target") != [nodes.workers["a"].node_id] and time.monotonic() < deadline:
+            time.sleep(1.0)
+        spec = {"proposed_tokens": 0}
+        while not spec["proposed_tokens"] and time.monotonic() < deadline:  # the router finds the new Target
+            out = client.post("/v1/completions", json={**body(PROMPTS[2], SEPARATE), "max_tokens": 32}).json()
+            assert out["choices"][0]["token_ids"] == refs[2][:32]
+            spec = out["speculation"]
+            time.sleep(0.5)
+    assert spec["proposed_tokens"] > 0 and spec["pool"] == "separate", spec

@@ -112,3 +112,40 @@ def test_fault_bench_measures_each_replica_process_from_when_it_was_warm():
     assert rows[2]["warm_at_s"] == 59.0 and rows[2]["growth_pct"] == 0.0
     assert rows[3]["warm_at_s"] == 190.0 and rows[3]["growth_pct"] == pytest.approx(100 * (660 / 650 - 1))
     assert rows[4]["warm_mib"] is None and rows[4]["growth_pct"] is None
+
+
+def test_multinode_placement_and_autoscaled_pool_are_valid_configs():
+    """The benchmarks' placement (specdec_bench/nodes.py) puts each deployment where its table says,
+    keeps the config's own pool options, and Serve accepts the autoscaled plain pool it runs."""
+    import argparse
+
+    from deployments.app import _options
+    from deployments.config import AppConfig
+    from specdec_bench.autoscale import autoscaled
+    from specdec_bench.nodes import WORKERS, placement
+
+    args = placement({"target": "t", "draft": "d", "plain": {"max_ongoing_requests": 7}})
+    cfg = AppConfig(**args)
+    assert cfg.target_deployment.resources == {"target_node": 0.01} and cfg.router.num_replicas == 2
+    assert cfg.plain.resources == {"plain_slot": 1.0} and cfg.plain.num_replicas == 2
+    assert cfg.plain.max_ongoing_requests == 7  # the config's own option stays
+    assert sum(w["plain_slot"] for w in WORKERS.values()) == 2  # one plain replica per worker node
+    cli = argparse.Namespace(target_ongoing=4.0, up_delay=5.0, down_delay=20.0)
+    scaled = AppConfig(**autoscaled(args, cli))
+    ac = _options(scaled.plain, "PlainPool")["autoscaling_config"]
+    assert (ac["min_replicas"], ac["max_replicas"]) == (1, 2) and scaled.plain.resources == {"plain_slot": 1.0}
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**ac)
+
+
+def test_autoscale_summary_times_the_second_replica_from_the_step():
+    from specdec_bench.autoscale import summarise
+
+    phases = [("before", 1, 10.0), ("step", 8, 20.0), ("after", 1, 20.0)]
+    samples = [(0.0, ["a"]), (12.0, ["a"]), (16.5, ["a", "b"]), (31.0, ["a", "b"]), (44.0, ["b"])]
+    results = [(0, True, 48, 5.0), (1, True, 48, 15.0), (1, False, 3, 20.0), (2, True, 48, 40.0)]
+    out = summarise(phases, [10.0, 30.0, 50.0], results, samples)
+    assert out["second_replica_after_step_s"] == 6.5 and out["replica_nodes_at_peak"] == ["a", "b"]
+    assert out["back_to_one_after_step_end_s"] == 14.0
+    assert [(p["requests"], p["lost"], p["tok_s"]) for p in out["phases"]] == [(1, 0, 4.8), (2, 1, 2.4), (1, 0, 2.4)]
