@@ -28,6 +28,7 @@ import random
 import signal
 import statistics
 import subprocess
+import threading
 import time
 
 import httpx
@@ -75,15 +76,16 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, i: int
 RSS_EVERY_S = 15.0
 
 
-async def _run(args, nodes=None) -> dict:
-    """The load, the kills and, given ``nodes`` (nodes.Nodes), the node losses."""
+async def _run(args, window: float | None = None) -> dict:
+    """The load and the replica kills; the measured window starts at ``window`` (monotonic), by
+    default ``--warmup`` seconds from now."""
     prompts = load_prompts(args.prompts)
     rng = random.Random(args.seed)
-    results, kills, node_losses = [], [], []
+    results, kills = [], []
     samples: dict[int, list[tuple[float, str, float]]] = {}  # pid -> [(s since the window's start, deployment, MiB)]
     async with httpx.AsyncClient(base_url=args.url, timeout=300) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        window = time.monotonic() + args.warmup  # the measured window's start
+        window = window or time.monotonic() + args.warmup  # the measured window's start
         stop_at = window + 60 * args.minutes
         counter = iter(range(10**9))
 
@@ -117,22 +119,7 @@ async def _run(args, nodes=None) -> dict:
                 kills.append({"t_s": round(time.monotonic() - window, 1), "deployment": name})
                 print(f"killed {name} (pid {pids[name]})", flush=True)
 
-        async def node_loser():
-            next_loss = window + args.node_every / 2 + args.kill_every / 4  # not on a replica kill's beat
-            while next_loss < stop_at - args.node_down:
-                await asyncio.sleep(max(0.0, next_loss - time.monotonic()))
-                next_loss += args.node_every
-                name = rng.choice(sorted(nodes.workers))
-                t = time.monotonic() - window
-                await asyncio.to_thread(nodes.remove, name)
-                print(f"removed node {name}", flush=True)
-                await asyncio.sleep(args.node_down)
-                await asyncio.to_thread(nodes.add, name)
-                node_losses.append({"t_s": round(t, 1), "node": name, "back_s": round(time.monotonic() - window, 1)})
-                print(f"node {name} back", flush=True)
-
-        losers = [node_loser()] if nodes is not None else []
-        await asyncio.gather(sampler(), killer(), *losers, *[worker() for _ in range(args.concurrency)])
+        await asyncio.gather(sampler(), killer(), *[worker() for _ in range(args.concurrency)])
         await asyncio.sleep(2.0)  # releases of the last requests
         stats = (await client.get("/v1/stats")).json()
     ok = [r for r in results if r["ok"]]
@@ -146,8 +133,6 @@ async def _run(args, nodes=None) -> dict:
         "latency_s": {"p50": statistics.median(lat) if lat else None,
                       "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None},
         "kills": kills,
-        "node_losses": node_losses,
-        "placement": None if nodes is None else placement_now(args.app, nodes),
         "rss": rss_growth(samples, args.warmup),
         "kv_free_at_end": all(r.get("free_slots") == r.get("total_slots") and not r.get("sessions") for r in replicas),
     }
@@ -185,7 +170,45 @@ def run_faults(args) -> dict:
 
     with running_cluster_app(placement(dict(Service(args.config).apps[0].get("args") or {})), args.app) as app:
         args.url = app["url"]
-        return asyncio.run(_run(args, app["nodes"]))
+        window = time.monotonic() + args.warmup + 5  # the load's client starts within 5 s
+        out: dict = {}
+
+        def load():
+            try:
+                out["data"] = asyncio.run(_run(args, window))
+            except BaseException as exc:  # noqa: B036 - re-raised in the main thread
+                out["error"] = exc
+
+        # Ray adds nodes from the main thread only (it installs signal handlers): the load runs beside it
+        thread = threading.Thread(target=load, name="faults-load")
+        thread.start()
+        losses = lose_nodes(app["nodes"], args, window)
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return {**out["data"], "node_losses": losses, "placement": placement_now(args.app, app["nodes"])}
+
+
+def lose_nodes(nodes, args, window: float) -> list[dict]:
+    """Every ``--node-every`` s of the window, a worker node removed (each in turn, from one the seed
+    picks) and ``--node-down`` s later added back with the same resources (off the beat of the
+    replica kills)."""
+    names = sorted(nodes.workers)
+    turn = random.Random(args.seed).randrange(len(names))
+    stop_at = window + 60 * args.minutes
+    losses, next_loss = [], window + args.node_every / 2 + args.kill_every / 4
+    while next_loss < stop_at - args.node_down:
+        time.sleep(max(0.0, next_loss - time.monotonic()))
+        next_loss += args.node_every
+        name, turn = names[turn % len(names)], turn + 1
+        t = time.monotonic() - window
+        nodes.remove(name)
+        print(f"removed node {name}", flush=True)
+        time.sleep(args.node_down)
+        nodes.add(name)
+        print(f"node {name} back", flush=True)
+        losses.append({"t_s": round(t, 1), "node": name, "back_s": round(time.monotonic() - window, 1)})
+    return losses
 
 
 def faults_markdown(data: dict) -> str:

@@ -70,6 +70,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         "latency": end,
         "accepted": spec.get("accepted_tokens", 0),
         "proposed": spec.get("proposed_tokens", 0),
+        "verify_steps": spec.get("verify_steps", 0),
+        "plain_steps": spec.get("plain_steps", 0),
+        "routed_k": spec.get("num_speculative_tokens", 0),
         "route": spec.get("topology") or spec.get("mode"),
         "regime": spec.get("regime"),
         "migrations": spec.get("migrations", 0),
@@ -127,6 +130,7 @@ def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     proposed = sum(r["proposed"] for r in ok)
     output = sum(r["tokens"] for r in ok)
+    verify, plain = (sum(r.get(f, 0) for r in ok) for f in ("verify_steps", "plain_steps"))
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -140,6 +144,10 @@ def summarize(results: list[dict], wall: float) -> dict:
         **_latency_fields("itl", [x for r in ok for x in r["itl"]]),
         **_latency_fields("e2el", [r["latency"] for r in ok]),
         "acceptance_rate": sum(r["accepted"] for r in ok) / proposed if proposed else 0.0,
+        # K as it ran: draft tokens per speculative step, and the share of decode steps at K=0
+        "mean_k": proposed / verify if verify else 0.0,
+        "plain_step_share": plain / (verify + plain) if verify + plain else 0.0,
+        "routed_k": {k: sum(1 for r in ok if r.get("routed_k") == k) for k in {r.get("routed_k") for r in ok}},
         "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
         "regimes": {g: sum(1 for r in ok if r["regime"] == g) for g in {r["regime"] for r in ok}},
     }
@@ -195,7 +203,8 @@ def run_serve(args) -> dict:
             tqdm.write(f"{p['mode']:10s} tput {p['output_throughput']:.1f} tok/s  TTFT p50/p99 "
                        f"{p['median_ttft_ms']:.0f}/{p['p99_ttft_ms']:.0f} ms  TPOT p50/p99 "
                        f"{p['median_tpot_ms']:.1f}/{p['p99_tpot_ms']:.1f} ms  "
-                       f"x{p.get('vs_best_explicit', 0):.2f} of the best explicit  routes {p['routes']}  "
+                       f"x{p.get('vs_best_explicit', 0):.2f} of the best explicit  mean K {p['mean_k']:.2f}  "
+                       f"K=0 steps {p['plain_step_share']:.0%}  routed K {p['routed_k']}  routes {p['routes']}  "
                        f"regimes {p['regimes']}  errors {p['errors']}")
         rates = []
     for rate in rates:
@@ -215,8 +224,9 @@ def run_serve(args) -> dict:
 def serve_markdown(data: dict) -> str:
     lines = ["# Serving benchmark", "", f"Config: {data['config']}", "",
              "| mode | rate | concurrency | tok/s | vs best explicit | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-             "TPOT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | acceptance | routes | errors |",
-             "|---" * 16 + "|"]
+             "TPOT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | acceptance | mean K | K=0 steps | "
+             "routes | errors |",
+             "|---" * 18 + "|"]
     for p in data["passes"]:
         vs = f"{p['vs_best_explicit']:.2f}" if "vs_best_explicit" in p else ""
         lines.append(
@@ -224,7 +234,7 @@ def serve_markdown(data: dict) -> str:
             f"{p['median_ttft_ms']:.0f} | {p['p99_ttft_ms']:.0f} | {p['median_tpot_ms']:.1f} | "
             f"{p['p99_tpot_ms']:.1f} | {p['median_itl_ms']:.1f} | {p['p99_itl_ms']:.1f} | "
             f"{p['median_e2el_ms']:.0f} | {p['p99_e2el_ms']:.0f} | {p['acceptance_rate']:.2f} | "
-            f"{p.get('routes', {})} | {p['errors']} |"
+            f"{p.get('mean_k', 0):.2f} | {p.get('plain_step_share', 0):.0%} | {p.get('routes', {})} | {p['errors']} |"
         )
     first = next((p["first_request"] for p in data["passes"] if "first_request" in p), None)
     if first:

@@ -34,8 +34,7 @@ OBJECT_STORE_BYTES = 256 << 20  # per node: the app moves token ids, not tensors
 def placement(args: dict, plain_replicas: int = 2, routers: int = 2, num_cpus: float = 0.1) -> dict:
     """``args`` (the app's) with every deployment placed as in the table above."""
     on = lambda resource, amount=0.01: {"num_cpus": num_cpus, "resources": {resource: amount}}  # noqa: E731
-    plain = {**args.get("plain", {}), **on("plain_slot", 1.0)}
-    plain.setdefault("num_replicas", plain_replicas)
+    plain = {**args.get("plain", {}), **on("plain_slot", 1.0), "num_replicas": plain_replicas}
     return {**args, "router": {**on("head_node"), "num_replicas": routers},
             "colocated": {**args.get("colocated", {}), **on("head_node")}, "plain": plain,
             "draft_deployment": on("draft_node"), "target_deployment": on("target_node")}

@@ -39,7 +39,14 @@ request keeps the measured wall time of the steps it speculated in against what 
 the same batch would have taken for the tokens those steps emitted (the engine's own measured
 plain steps, not the calibration); once that loss passes ``REGRET_BUDGET`` of the request's time
 so far (and a few steps' worth, so one noisy step cannot trip it), the request decodes plain to
-its end. So a wrong calibration costs a request at most a few percent against plain.
+its end. So a wrong calibration costs a request at most a few percent against plain. The plain
+reference must be measured where the speculative steps are: a served replica shares its cores
+with the router, the proxy and the other replicas, and every step there ran ~1.6x its idle
+calibration; against the calibrated plain step each speculative step looked like a loss, and at
+concurrency 4 auto requests stopped after 4-6 steps (65% of their steps plain, 0.91x of fixed
+K=4). So where this engine has no recent plain step of its own at a batch bucket, the next step
+whose speculating rows are all adaptive runs plain once, as a *reference step*
+(``reference_due``; every ``REFERENCE_EVERY`` speculative steps of the bucket after that).
 
 Leaving PLAIN at PROBE_K is a probe whether the probe was due or a re-pricing found K=1 just worth
 it: either way one step at K=1 tests whether acceptance is back. A plain request is re-priced every
@@ -52,6 +59,7 @@ batch gains (``batch_pays``).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
@@ -64,6 +72,7 @@ PROBE_K = 1  # a probe's K: the cheapest step that judges a draft token
 REGRET_BUDGET = 0.03  # a request's speculation may cost at most this share of its plain-equivalent time
 MEMO_SIZE = 256  # plain rows' prices kept per drift version (rows with evidence of their own each add one)
 REGRET_FLOOR_STEPS = 4  # ... and never trips on less than this many plain steps' worth of loss
+REFERENCE_EVERY = 64  # speculative steps at a batch bucket between two measured plain steps there (~1% of them)
 
 
 class Phase(enum.Enum):
@@ -171,7 +180,9 @@ class AdaptiveK:
         self.view = view
         self.learns_drift = True  # False once the view prices with another owner's drift (``adopt_drift``)
         # This engine's own measured / calibrated step times, always learnt: the regret guard's reference.
-        self.measured = StepDrift(min_steps=1)
+        # No bounds: whatever the calibration, these are the steps the guard judges.
+        self.measured = StepDrift(min_steps=1, bounds=(0.0, math.inf))
+        self._since_plain: dict[int, int] = {}  # batch bucket -> speculative steps since its last plain step
         self.tracker = tracker
         self.draft_name = draft_name
         self.topology = topology
@@ -277,8 +288,15 @@ class AdaptiveK:
         """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
         calibrated = self.cost_model_for(cls, context_len).calibrated_step_time(batch, k, self.topology)
         self.measured.observe(k, seconds, calibrated, batch)
+        bucket = self.measured.bucket(batch)
+        self._since_plain[bucket] = self._since_plain.get(bucket, 0) + 1 if k else 0
         if self.learns_drift:
             self.view.drift.observe(k, seconds, calibrated, batch)
+
+    def reference_due(self, batch: int) -> bool:
+        """Does the regret guard need a plain step of this engine's at this batch: none measured yet,
+        or ``REFERENCE_EVERY`` speculative steps since the last one (the machine's load moves)."""
+        return self._since_plain.get(self.measured.bucket(batch), REFERENCE_EVERY) >= REFERENCE_EVERY
 
     def plain_step_time(self, cls: TrafficClass, context_len: int, batch: int) -> float:
         """A plain step at this batch as this engine measures it (the calibration until it has)."""

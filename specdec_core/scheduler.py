@@ -161,12 +161,17 @@ class Scheduler:
     def _ks(self, rows: list[ScheduledRequest]) -> list[int]:
         batch = len(rows)
         ks = [self._choose_k(r, batch) for r in rows]
-        if self.adaptive is not None and batch > 1:
+        if self.adaptive is None or not any(ks):
+            return ks
+        adaptive = [r.params.adaptive_k and r.carried is None for r in rows]
+        if batch > 1:
             ks = self.adaptive.unless_batch_loses(
-                ks, [r.params.adaptive_k and r.carried is None for r in rows], [self._traffic_class(r) for r in rows],
+                ks, adaptive, [self._traffic_class(r) for r in rows],
                 [(r.stats.accepted, sum(r.stats.proposed_per_position), r.params.class_acceptance) for r in rows],
                 max(len(r.tokens) for r in rows),
             )
+        if any(ks) and all(on for on, k in zip(adaptive, ks) if k) and self.adaptive.reference_due(batch):
+            return [0] * batch  # the regret guard's reference step (adaptive.py): measured plain, once
         return ks
 
     def _choose_k(self, req: ScheduledRequest, batch: int) -> int:

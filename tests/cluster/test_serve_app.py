@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import socket
 import time
 
 import httpx
@@ -72,8 +74,14 @@ def server(tiny_models, tmp_path_factory):
     calibration = str(tmp_path_factory.mktemp("calibration") / "calibration.json")
     save_calibration(calibration, record(synthetic_costs(), models["target"], models["draft"], "cpu"))
     metrics_port = free_port()
-    with running_app(app_args(models, calibration), metrics_port=metrics_port) as app:
-        yield {**app, "target": models["target"], "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
+    # the proxy's header timeout (deployments/proxy_edge.py), short enough for a test; read by the proxy
+    # processes this cluster starts
+    os.environ["SPECDEC_HTTP_HEADER_TIMEOUT_S"] = str(HEADER_TIMEOUT_S)
+    try:
+        with running_app(app_args(models, calibration), metrics_port=metrics_port) as app:
+            yield {**app, "target": models["target"], "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
+    finally:
+        del os.environ["SPECDEC_HTTP_HEADER_TIMEOUT_S"]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +97,32 @@ def test_health_models(client):
     assert client.get("/health").json() == {"status": "ok"}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+
+
+HEADER_TIMEOUT_S = 2.0
+
+
+def _raw_answer(server, raw: bytes) -> bytes:
+    """What the server answers on a fresh connection to ``raw``, until it closes the connection."""
+    host, port = server["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(raw)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_the_proxys_http_server_answers_openai_errors_and_times_out_slow_headers(server, client):
+    """Serve's proxy runs deployments/proxy_edge.py's guards (tests/unit/test_http_edge.py has the cases):
+    what does not parse as HTTP gets OpenAI's body, half-sent headers a 408 after the header timeout."""
+    bad = _raw_answer(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    assert bad.startswith(b"HTTP/1.1 400") and json.loads(bad.partition(b"\r\n\r\n")[2])["error"]["code"] == \
+        "invalid_http", bad
+    t0 = time.monotonic()
+    slow = _raw_answer(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    assert slow.startswith(b"HTTP/1.1 408") and HEADER_TIMEOUT_S <= time.monotonic() - t0 < 10 * HEADER_TIMEOUT_S
+    assert complete(client, max_tokens=2)["usage"]["completion_tokens"] == 2  # and the server serves on
 
 
 def test_one_request_id_per_answer_and_it_is_the_servers(client):

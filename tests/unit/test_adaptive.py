@@ -2,6 +2,7 @@
 still lossless."""
 
 import itertools
+import time
 
 import pytest
 
@@ -35,15 +36,29 @@ def test_auto_speculates_with_an_aligned_draft(tiny_models, plain_reference):
     assert all(o.stats.mean_acceptance_length > 3 for o in outs)
 
 
+class SlowDraft:
+    """The target as its own draft (every token accepted), 20 ms slower per proposal than it is: what
+    a calibration that predates a slow draft host would not know."""
+
+    def __init__(self, proposer):
+        self.inner = proposer
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, requests):
+        time.sleep(0.02)
+        return self.inner.propose(requests)
+
+
 def test_regret_guard_stops_speculation_that_measures_slower_than_plain(tiny_models, plain_reference):
-    """A calibration that flatters speculation: the same shape as COSTS, ten thousand times too
-    fast, so every K prices as a win. The request's first speculative step, measured, costs far
-    more than the plain steps its tokens would have taken: the guard stops speculation for the rest
-    of the request (with realistic costs, test_auto_speculates_with_an_aligned_draft, it never trips)."""
-    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_model_len=256)
-    flattering = StepCosts(COSTS.batches, COSTS.qs, tuple(tuple(t * 1e-4 for t in row) for row in COSTS.target_s),
-                           tuple(t * 1e-4 for t in COSTS.draft_s))
-    eng.enable_adaptive(flattering)
+    """The costs price every K as a win (a draft all of whose tokens are accepted); measured, each
+    speculative step costs far more than this engine's own plain steps (its reference step) would
+    for the tokens it emitted: the guard stops speculation for the rest of the request (with the
+    draft as fast as calibrated, test_auto_speculates_with_an_aligned_draft, it never trips)."""
+    base = Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_model_len=256)
+    eng = base.sibling(SlowDraft(base.proposer))
+    eng.enable_adaptive(COSTS)
     outs = eng.generate(PROMPTS, max_new_tokens=40, mode="auto", num_speculative_tokens=8)
     assert [o.token_ids for o in outs] == plain_reference
     for o in outs:
@@ -77,11 +92,11 @@ def test_auto_drops_to_plain_when_acceptance_collapses(tiny_models, plain_refere
     outs = eng.generate(PROMPTS, max_new_tokens=40, mode="auto", num_speculative_tokens=8)
     assert [o.token_ids for o in outs] == plain_reference
     for o in outs:
-        # The random draft is almost never accepted: K falls from its first choice towards 0-1
-        # (K=1 costs within the hysteresis of plain here) and plain steps appear in the same engine.
+        # The random draft is almost never accepted: K falls from its first choice (2) towards 0-1, or
+        # the regret guard (measured against this engine's own plain steps) stops it; most steps are plain.
         assert o.stats.proposed_per_position[0] >= 1
-        assert o.stats.proposed / o.stats.verify_steps < 1.5
-        assert o.stats.plain_steps > 0
+        assert o.stats.proposed / o.stats.verify_steps <= 2
+        assert o.stats.plain_steps > o.stats.verify_steps
 
 
 def test_adaptive_k_is_plain_at_large_batch_for_moderate_acceptance():

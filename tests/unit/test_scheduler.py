@@ -6,6 +6,8 @@ that fail one row, aborts."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from specdec_core import Proposal, SamplingParams
@@ -212,23 +214,27 @@ def test_a_drafts_catch_up_prefill_is_no_regret():
 
     cheap = StepCosts((1, 8), (1, 5), ((1.0, 1.0), (1.0, 1.0)), (0.05, 0.05), source="test")
 
-    def first_spec_step(prompt_len: int) -> ScheduledRequest:
+    def slow_spec_steps(prompt_len: int, steps: int) -> ScheduledRequest:
+        """The prefill, the regret guard's reference (a plain step, as calibrated), then ``steps``
+        speculative steps of 30 plain steps' worth each; the first of them catches the draft up."""
         adaptive = AdaptiveK(CostView(cheap), AcceptanceTracker(prior_mean=0.8), "d", "colocated")
         sched, ex = Scheduler(4, 1024, speculative=True, adaptive=adaptive), FakeExecutor(good=0)
         req = ScheduledRequest("r", list(range(1, prompt_len + 1)), SamplingParams(
             max_new_tokens=64, num_speculative_tokens=4, adaptive_k=True, ignore_eos=True), _Tok(), set())
         sched.add(req)
-        for _ in range(2):  # the prefill, then the first decode step: the draft catches up on the prompt
+        for _ in range(2 + steps):
             plan = sched.schedule(8)
             result = ex.execute(plan)
-            result.timing.propose_s = 30.0 if plan.decode else 0.0  # 30 plain steps' worth
+            result.timing.propose_s = 30.0 if any(plan.ks) else 0.0
+            result.timing.verify_s = 1.0 if plan.decode else 0.0
             sched.commit(plan, result)
         return req
 
-    req = first_spec_step(prompt_len=500)
-    assert req.stats.proposed > 0 and req.k_state.phase is not Phase.STOPPED
-    req = first_spec_step(prompt_len=1)  # nothing to catch up on: the slow step is a real loss
-    assert req.stats.proposed > 0 and req.k_state.phase is Phase.STOPPED
+    for prompt_len in (500, 1):
+        req = slow_spec_steps(prompt_len, steps=1)  # the catch-up step, however long the prompt
+        assert req.stats.proposed > 0 and req.k_state.phase is not Phase.STOPPED
+    req = slow_spec_steps(prompt_len=500, steps=2)  # nothing to catch up on: the slow step is a real loss
+    assert req.stats.verify_steps == 2 and req.k_state.phase is Phase.STOPPED
 
 
 def test_plain_steps_after_plain_steps_still_teach_the_measured_plain_step():
@@ -246,3 +252,32 @@ def test_plain_steps_after_plain_steps_still_teach_the_measured_plain_step():
         sched.commit(plan, result)
     assert plan.ks == (0,) and plan.decode[0].draft_catch_up > 2
     assert adaptive.plain_step_time(adaptive.traffic_class(0.0, "default"), 8, 1) > 1.8
+
+
+def test_a_machine_slower_than_its_calibration_stops_no_paying_request():
+    """Served, a replica shares its cores: every step ran ~1.6x its idle calibration. Judged against
+    the calibrated plain step, each speculative step looked like a loss and auto requests stopped
+    after a few steps; judged against this engine's own measured plain step (the reference step, the
+    first decode step here) speculation that pays keeps paying."""
+    from specdec_core.adaptive import REFERENCE_EVERY, Phase
+
+    # K=2 pays 1.5x as calibrated (a 2.0 step for 3 tokens: the draft is right twice, then the bonus);
+    # at 1.6x that step is 3.2, over 3 calibrated plain steps but under 3 measured ones (4.8)
+    costs = StepCosts((1, 8), (1, 5), ((1.0, 1.8), (1.0, 1.8)), (0.3, 0.3), source="test")
+    adaptive = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.8), "d", "colocated")
+    sched, ex = Scheduler(4, 4096, speculative=True, adaptive=adaptive), FakeExecutor(good=2)
+    req = request("auto", n=400, k=4, adaptive_k=True)
+    sched.add(req)
+    ks = []
+    while sched.has_work():
+        plan = sched.schedule(8)
+        result = ex.execute(plan)
+        k = max(plan.ks, default=0)
+        result.timing.propose_s = 1.6 * 0.3 * k if plan.decode else 0.0
+        result.timing.verify_s = 1.6 * costs.target_time(1, k + 1) if plan.decode else 0.0
+        sched.commit(plan, result)
+        ks += list(plan.ks)
+    assert req.k_state.phase is not Phase.STOPPED and req.stats.verify_steps > 100
+    plain_at = [i for i, k in enumerate(ks[:-1]) if k == 0]  # (the last step may be K=0: the token budget)
+    assert plain_at[0] == 0 and len(plain_at) >= 2  # the first decode step is the reference, then one per period
+    assert all(REFERENCE_EVERY <= b - a <= REFERENCE_EVERY + 2 for a, b in itertools.pairwise(plain_at)), plain_at
