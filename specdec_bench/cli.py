@@ -30,6 +30,14 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("peers", help="this engine vs HF generate / assisted generation on the same pair")
     common(p)
     p.add_argument("--draft", default="draft", help="draft model name under --models")
+    p.add_argument("--served", action="store_true",
+                   help="served instead: vLLM's CPU build (installed into .venv-vllm) and this project's server, "
+                        "one at a time, the same load (--reps: repeats of the whole order)")
+    p.add_argument("--families", nargs="*", default=["dram", "tiny"], help="with --served: model families")
+    p.add_argument("--concurrency", nargs="*", type=int, default=[1, 4, 8, 16], help="with --served")
+    p.add_argument("--requests", type=int, default=16, help="with --served: requests per pass (at least 2 x c)")
+    p.add_argument("--max-tokens", type=int, default=48, help="with --served")
+    p.add_argument("--prompts", default="prose", help="with --served: prompt set under models/prompts")
     p.set_defaults(func=_peers)
 
     p = sub.add_parser("predict", help="roofline predictions: one configuration, the regime map, or the "
@@ -169,6 +177,13 @@ def _regimes(args) -> None:
 
 
 def _peers(args) -> None:
+    if args.served:
+        from specdec_bench.served_peers import run_served_peers, served_peers_markdown
+
+        args.repeats = args.reps or 1
+        data = run_served_peers(args)
+        _emit(args, "peers_served", data, served_peers_markdown(data))
+        return
     from specdec_bench.peers import peers_markdown, run_peers
 
     data = run_peers(args)

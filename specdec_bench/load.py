@@ -40,7 +40,9 @@ MODES = {
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, speculation: dict,
                       extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation, **(extra or {})}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    if speculation is not None:  # None: a server without the extension field (a peer)
+        body["speculation"] = speculation
     if getattr(args, "user", None):
         body["user"] = args.user
     t0 = time.perf_counter()
@@ -81,11 +83,17 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
     }
 
 
-async def run_pass(args, model: str, speculation: dict, rate: float | None) -> dict:
+def auth_headers(args) -> dict:
+    """The bearer token of a server started with an API key (``args.api_key``), else none."""
+    key = getattr(args, "api_key", None)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def run_pass(args, model: str, speculation: dict | None, rate: float | None) -> dict:
     prompts = load_prompts(args.prompts, None)
     rng = random.Random(0)
     results = []
-    async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=auth_headers(args)) as client:
         t0 = time.perf_counter()
         if rate:  # open loop: Poisson arrivals
             tasks = []

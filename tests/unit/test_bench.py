@@ -149,3 +149,27 @@ def test_autoscale_summary_times_the_second_replica_from_the_step():
     assert out["second_replica_after_step_s"] == 6.5 and out["replica_nodes_at_peak"] == ["a", "b"]
     assert out["back_to_one_after_step_end_s"] == 14.0
     assert [(p["requests"], p["lost"], p["tok_s"]) for p in out["phases"]] == [(1, 0, 4.8), (2, 1, 2.4), (1, 0, 2.4)]
+
+
+def test_served_peers_summary_is_the_median_over_repeats_against_vllms_best(tmp_path):
+    import yaml
+
+    from specdec_bench.served_peers import family_config, served_peers_markdown, summarise
+
+    def row(server, mode, c, rep, tput):
+        return {"server": server, "mode": mode, "concurrency": c, "repeat": rep, "output_throughput": tput,
+                "median_ttft_ms": 1.0, "median_tpot_ms": 2.0, "p99_tpot_ms": 3.0, "median_e2el_ms": 4.0,
+                "p99_e2el_ms": 5.0, "acceptance_rate": 0.5, "errors": 0, "completed": 8}
+
+    passes = [row("vllm", "vllm-plain", 1, r, t) for r, t in enumerate((100, 300, 200))] + \
+             [row("vllm", "vllm-draft", 1, r, t) for r, t in enumerate((150, 150, 150))] + \
+             [row("specdec", "auto", 1, r, t) for r, t in enumerate((240, 260, 100))]
+    rows = {(r["server"], r["mode"]): r for r in summarise(passes)}
+    assert rows["vllm", "vllm-plain"]["tok_s"] == 200 and rows["vllm", "vllm-plain"]["tok_s_max"] == 300
+    assert rows["specdec", "auto"]["vs_vllm_best"] == pytest.approx(240 / 200)  # vLLM's best median: plain's
+    fam = {"family": "tiny", "target": "t", "draft": "d", "summary": list(rows.values()),
+           "cold_start_s": {"vllm-plain": [50.0]}, "greedy_identical": True}
+    assert "| specdec | auto | 240 (100-260) x1.20 |" in served_peers_markdown({"config": {}, "families": [fam]})
+    cfg = yaml.safe_load(family_config("models/target", "models/draft", 8123, tmp_path).read_text())
+    assert cfg["http_options"]["port"] == 8123
+    assert cfg["applications"][0]["args"]["target"] == "models/target"
