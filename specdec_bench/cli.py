@@ -178,11 +178,12 @@ def _regimes(args) -> None:
 
 def _peers(args) -> None:
     if args.served:
+        from specdec_bench.report import plot_served_peers
         from specdec_bench.served_peers import run_served_peers, served_peers_markdown
 
         args.repeats = args.reps or 1
         data = run_served_peers(args)
-        _emit(args, "peers_served", data, served_peers_markdown(data))
+        _emit(args, "peers_served", data, served_peers_markdown(data), plot_served_peers)
         return
     from specdec_bench.peers import peers_markdown, run_peers
 

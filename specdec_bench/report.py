@@ -136,6 +136,25 @@ def plot_predict(data: dict, out: Path) -> list[Path]:
     return paths
 
 
+def plot_served_peers(data: dict, out: Path) -> list[Path]:
+    """Per family: tok/s against concurrency, one line per server and mode (vLLM dashed)."""
+    paths = []
+    for fam in data["families"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for server, mode in dict.fromkeys((r["server"], r["mode"]) for r in fam["summary"]):
+            rows = sorted((r for r in fam["summary"] if (r["server"], r["mode"]) == (server, mode)),
+                          key=lambda r: r["concurrency"])
+            ax.plot([r["concurrency"] for r in rows], [r["tok_s"] for r in rows], marker="o",
+                    linestyle="--" if server == "vllm" else "-", label=mode if server == "vllm" else f"this: {mode}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tok/s")
+        ax.set_title(f"{fam['family']}: this server and vLLM (CPU build)", fontsize=9)
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, out / f"peers_served_{fam['family']}.png"))
+    return paths
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -170,6 +170,9 @@ def test_served_peers_summary_is_the_median_over_repeats_against_vllms_best(tmp_
     fam = {"family": "tiny", "target": "t", "draft": "d", "summary": list(rows.values()),
            "cold_start_s": {"vllm-plain": [50.0]}, "greedy_identical": True}
     assert "| specdec | auto | 240 (100-260) x1.20 |" in served_peers_markdown({"config": {}, "families": [fam]})
+    from specdec_bench.report import plot_served_peers
+
+    assert [p.name for p in plot_served_peers({"families": [fam]}, tmp_path)] == ["peers_served_tiny.png"]
     cfg = yaml.safe_load(family_config("models/target", "models/draft", 8123, tmp_path).read_text())
     assert cfg["http_options"]["port"] == 8123
     assert cfg["applications"][0]["args"]["target"] == "models/target"
