@@ -15,7 +15,8 @@ when target, draft and device match, instead of calibrating at start-up.
 Without a file, a replica that calibrates at start-up keeps the result in a per-host cache
 (``calibration_cache``; ``~/.cache/specdec-serve/``, or ``SPECDEC_CALIBRATION_CACHE``), keyed by
 everything the costs depend on: both models' weight files (path, size, mtime), device, dtype,
-torch threads and version, the grid, and the host (name, CPU model, cores). A restart on the same
+torch threads and version, the grid, the host (name, CPU model, cores) and the engine code a step
+runs (``STEP_CODE``: a faster attention makes old costs wrong). A restart on the same
 host with the same models loads it; anything else calibrates again.
 """
 
@@ -110,13 +111,22 @@ def _host() -> list:
     return [platform.node(), cpu, os.cpu_count()]
 
 
+# The code a step's time depends on: a change there (a kernel, the attention) makes cached costs stale.
+STEP_CODE = ("fused_llama.py", "linear.py", "runner.py", "kv_cache.py", "verifier.py", "sampling.py")
+
+
+def _step_code() -> str:
+    core = Path(__file__).resolve().parent.parent / "specdec_core"
+    return hashlib.sha256(b"".join((core / name).read_bytes() for name in STEP_CODE)).hexdigest()[:16]
+
+
 def cache_key(target: str, draft: str | None, device, dtype, **grid) -> str:
     """The start-up calibration's cache key on this host (module docstring)."""
     import torch
 
     t, d, dev = _key(target, draft, device)
     parts = [t, _weights(t), d, _weights(d), dev, str(dtype), torch.get_num_threads(), torch.__version__,
-             sorted(grid.items()), _host()]
+             sorted(grid.items()), _host(), _step_code()]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 

@@ -57,3 +57,25 @@ def test_ragged_batched_forward_matches_hf(runner_and_reference, prompts, steps)
     finally:
         for slot in slots:
             runner.free(slot)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 6), (8, 2)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_decode_attention_is_sdpa_on_the_position_major_cache(heads, kv_heads, masked):
+    """One new token per row: the streaming formulation gives SDPA's answer (GQA too, with a mask or
+    none) on the cache's transposed views."""
+    import torch.nn.functional as F
+
+    from specdec_core.fused_llama import decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch, length, dim = 5, 37, 16
+    cache_k, cache_v = (torch.randn(8, 64, kv_heads, dim, generator=gen) for _ in range(2))  # [slots, max_len, kv, D]
+    keys, values = cache_k[:batch, :length].transpose(1, 2), cache_v[:batch, :length].transpose(1, 2)
+    q = torch.randn(batch, 1, heads, dim, generator=gen).transpose(1, 2)  # [B, heads, 1, D]
+    mask = None
+    if masked:
+        mask = torch.arange(length).view(1, 1, 1, -1) < torch.tensor([37, 20, 1, 30, 5]).view(-1, 1, 1, 1)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=dim ** -0.5,
+                                         enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(decode_attention(q, keys, values, mask, dim ** -0.5), ref, rtol=1e-5, atol=1e-6)
