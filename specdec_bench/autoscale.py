@@ -6,7 +6,7 @@ with ``plain.autoscaling`` on (``autoscaling/scaling.py``'s policy: min 1, max 2
 ``--target-ongoing`` sequences per replica, ``--up-delay`` / ``--down-delay``), and a load step of
 explicit plain requests (closed loop): ``--low`` concurrency for ``--before`` seconds, ``--high`` for
 ``--step`` seconds, ``--low`` again for ``--after`` seconds. Every ``SAMPLE_S`` the plain pool's live
-replicas and their nodes are sampled. Reported: when a second replica served (seconds after the
+replicas and their nodes are sampled. Reported: when a second replica was up (seconds after the
 step) and on which node, when the pool was back to one, tokens/s and lost requests per phase.
 """
 
@@ -96,7 +96,7 @@ def run_autoscale(args) -> dict:
     from specdec_bench.launcher import Service
     from specdec_bench.nodes import placement, running_cluster_app
 
-    app_args = autoscaled(placement(dict(Service(args.config).apps[0].get("args") or {})), args)
+    app_args = autoscaled(placement(Service(args.config).app_args), args)
     with running_cluster_app(app_args, args.app) as app:
         data = asyncio.run(_run(args, app["url"], app["nodes"]))
     config = {k: v for k, v in vars(args).items() if k not in ("func", "out")}

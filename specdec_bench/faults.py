@@ -16,8 +16,8 @@ machine, so run one server of that app name at a time.
 ``--nodes``: instead of a running server, the benchmark starts the config's app on a head and two
 worker nodes of this machine (``specdec_bench/nodes.py``: the Target on one worker, the Draft on the
 other, a plain replica on each, two routers on the head) and, besides the replica kills, removes a
-random worker node every ``--node-every`` seconds (its raylet, object store and every replica on it
-at once), bringing it back ``--node-down`` seconds later with the same resources.
+worker node every ``--node-every`` seconds, each in turn (its raylet, object store and every replica
+on it at once), bringing it back ``--node-down`` seconds later with the same resources.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def run_faults(args) -> dict:
     from specdec_bench.launcher import Service
     from specdec_bench.nodes import placement, running_cluster_app
 
-    with running_cluster_app(placement(dict(Service(args.config).apps[0].get("args") or {})), args.app) as app:
+    with running_cluster_app(placement(Service(args.config).app_args), args.app) as app:
         args.url = app["url"]
         window = time.monotonic() + args.warmup + 5  # the load's client starts within 5 s
         out: dict = {}

@@ -44,6 +44,11 @@ class Service:
         self.client_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         self.url = f"http://{self.client_host}:{self.port}{prefix}"
 
+    @property
+    def app_args(self) -> dict:
+        """The first application's ``args`` (what ``build_app`` gets)."""
+        return dict(self.apps[0].get("args") or {})
+
     def info(self) -> str:
         return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in
                          dict(HOST=self.client_host, PORT=self.port, URL=self.url, MODEL=self.model).items())

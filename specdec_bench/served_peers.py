@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -78,8 +79,6 @@ def _stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def vllm_server(py: Path, target: str, draft: str, mode: str, logs: Path):
     """vLLM's OpenAI server on ``target`` in ``mode``: {"url", "api_key", "ready_s"}."""
-    import json
-
     port, key = free_port(), secrets.token_hex(16)
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ROOT / target),
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",

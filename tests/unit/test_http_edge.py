@@ -56,8 +56,7 @@ def port(request, monkeypatch):
 
 
 def connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    return s
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
 def read_all(s: socket.socket) -> bytes:
