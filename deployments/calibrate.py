@@ -112,7 +112,7 @@ def _host() -> list:
 
 
 # The code a step's time depends on: a change there (a kernel, the attention) makes cached costs stale.
-STEP_CODE = ("fused_llama.py", "linear.py", "runner.py", "kv_cache.py", "verifier.py", "sampling.py")
+STEP_CODE = ("fused_llama.py", "linear.py", "runner.py", "kv_cache.py", "verifier.py", "sampling.py", "calibration.py")
 
 
 def _step_code() -> str:

@@ -160,6 +160,10 @@ class AppConfig(BaseModel):
     calibrate_on_start: bool = Field(True, description="Co-located replicas without a matching calibration record "
                                      "time their step costs at start-up (a few seconds on CPU); off: no adaptive "
                                      "K in the replica and the router keeps its prior cost table.")
+    budgeted_verification: bool = Field(False, description="Co-located replicas plan every step for the batch as "
+                                        "a whole: each auto request's K (0 allowed) under the step's cost, the rows "
+                                        "verified at their own widths (specdec_core/step_planner.py), in place of "
+                                        "each request's own adaptive K.")
     separate_overlap: Literal["auto", "always", "never"] = Field(
         "auto", description="Separate topology: the Draft proposes a request's next round while the Target verifies "
         "this one (PEARL's post-verify, deployments/separate_loop.py). auto: where the cost model says it pays "

@@ -82,7 +82,7 @@ class EngineReplica:
         tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight,
                                     cfg.acceptance_half_life_tokens)
         self._sampled_costs = sampled
-        engine.enable_adaptive(self._costs, tracker, sampled_costs=sampled)
+        engine.enable_adaptive(self._costs, tracker, sampled_costs=sampled, budgeted=cfg.budgeted_verification)
         logger.info("EngineReplica(%s): step costs %s in %.1f s (t_T(1,1)=%.2f ms, t_D(1)=%.2f ms)", self.pool,
                     self._costs_source, time.perf_counter() - t0, self._costs.target_time(1, 1) * 1e3,
                     self._costs.draft_time(1) * 1e3)

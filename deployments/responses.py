@@ -35,6 +35,9 @@ def speculation(run: Execution, stats: RequestStats, costs_source: str) -> dict:
         "mean_acceptance_length": stats.mean_acceptance_length,
         "verify_steps": stats.verify_steps,
         "plain_steps": stats.plain_steps,  # decode steps without draft tokens (adaptive K = 0)
+        # draft tokens per decode step (the first plain step is the prefill): what adaptive K or a
+        # budgeted plan gave this request; accepted per proposed is what each bought
+        "mean_k": stats.proposed / max(1, stats.verify_steps + stats.plain_steps - 1),
         "pool": run.pool,
         "adaptive_k": plan.params.adaptive_k,
         "probe": plan.probe,

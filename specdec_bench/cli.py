@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="*", help="run only cells of these regimes or drafts")
     p.set_defaults(func=_regimes)
 
+    p = sub.add_parser("budget", help="in-process batch sweep and mixed batches: budgeted verification vs "
+                                      "plain, fixed K and auto")
+    common(p, quick=False)
+    p.add_argument("--batches", type=int, nargs="*", help="batch sizes (default 1 2 4 8 16 32 64)")
+    p.add_argument("--only", nargs="*", help="cells whose name starts with one of these (e.g. mixed, 'prose b8')")
+    p.set_defaults(func=_budget)
+
     p = sub.add_parser("peers", help="this engine vs HF generate / assisted generation on the same pair")
     common(p)
     p.add_argument("--draft", default="draft", help="draft model name under --models")
@@ -174,6 +181,13 @@ def _regimes(args) -> None:
 
     data = run_regimes(args)
     _emit(args, "regimes", data, regimes_markdown(data), plot_regimes)
+
+
+def _budget(args) -> None:
+    from specdec_bench.budget import budget_markdown, run_budget
+
+    data = run_budget(args)
+    _emit(args, "budget", data, budget_markdown(data))
 
 
 def _peers(args) -> None:

@@ -206,6 +206,12 @@ class AcceptanceTracker:
         w = self.prior_weight
         return [(a * w + acc) / (w + n) for acc, n in zip(stats.pos_accepted, stats.pos_judged)]
 
+    def rates_by_position(self, cls: TrafficClass, k: int) -> list[float]:
+        """[k] the class's acceptance rate at each draft position (``position_rates``), its estimate
+        where no step has judged that deep."""
+        rates = self.position_rates(cls)[:k]
+        return rates + [self.estimate(cls)] * (k - len(rates))
+
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready view for the /v1/regimes endpoint."""
         return {
@@ -227,6 +233,16 @@ class AcceptanceTracker:
                                          key=lambda kv: kv[0].key())
             ],
         }
+
+
+def position_rates(accepted_per_position: Sequence[int], judged_per_position: Sequence[int],
+                   prior_rates: Sequence[float], prior_weight: float) -> list[float]:
+    """[len(prior_rates)] one request's acceptance rate at each draft position (accepted of judged
+    there: the rate conditional on the positions before it surviving), each shrunk towards its
+    class's rate at that position (``prior_rates``) as ``prior_weight`` judged tokens."""
+    own = list(zip(accepted_per_position, judged_per_position))
+    own += [(0, 0)] * (len(prior_rates) - len(own))
+    return [(acc + prior_weight * prior) / (judged + prior_weight) for (acc, judged), prior in zip(own, prior_rates)]
 
 
 def _consistent(decisions: Sequence[bool], proposed: int, accepted: int) -> bool:

@@ -51,20 +51,22 @@ whose speculating rows are all adaptive runs plain once, as a *reference step*
 Leaving PLAIN at PROBE_K is a probe whether the probe was due or a re-pricing found K=1 just worth
 it: either way one step at K=1 tests whether acceptance is back. A plain request is re-priced every
 ``REPRICE_EVERY`` steps and when a probe is due; in between its priced K is 0. A plain request with
-no judged tokens of its own runs on its traffic class's probe clock (``AdaptiveK.choose``). A
-ragged batch is padded to its widest row, so the engine lets a step speculate only if the whole
-batch gains (``batch_pays``).
+no judged tokens of its own runs on its traffic class's probe clock (``AdaptiveK.choose``). Each
+row chooses as if the batch shared its K, so the engine lets a step speculate only if the whole
+batch gains (``batch_pays``). With ``budgeted`` one plan chooses every row's K for the batch
+instead (``step_planner.py``): no state machine per row.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass, position_rates
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import PROBE_CEILING, CostModel, StepDrift, adaptive_k, expected_tokens_per_step
+from specdec_core.step_planner import StepBudget, plan_step, survival
 
 REPRICE_EVERY = 4  # steps between re-pricings of a request at K=0
 PROBE_BUDGET = 0.05  # share of a request's remaining decode time a probe's draft catch-up may take
@@ -176,8 +178,12 @@ class AdaptiveK:
         topology: str = "colocated",
         probe_every: int = 16,
         max_probe_every: int = 256,
+        budgeted: bool = False,
     ):
         self.view = view
+        # Budgeted verification (``step_planner.py``): one plan per step chooses every adaptive row's K
+        # for the batch as a whole, in place of each row's state machine and the padded batch's veto.
+        self.budgeted = budgeted
         self.learns_drift = True  # False once the view prices with another owner's drift (``adopt_drift``)
         # This engine's own measured / calibrated step times, always learnt: the regret guard's reference.
         # No bounds: whatever the calibration, these are the steps the guard judges.
@@ -287,6 +293,9 @@ class AdaptiveK:
     def observe_step(self, cls: TrafficClass, context_len: int, batch: int, k: int, seconds: float) -> None:
         """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
         calibrated = self.cost_model_for(cls, context_len).calibrated_step_time(batch, k, self.topology)
+        self._observe(k, batch, seconds, calibrated)
+
+    def _observe(self, k: int, batch: int, seconds: float, calibrated: float) -> None:
         self.measured.observe(k, seconds, calibrated, batch)
         bucket = self.measured.bucket(batch)
         self._since_plain[bucket] = self._since_plain.get(bucket, 0) + 1 if k else 0
@@ -321,18 +330,68 @@ class AdaptiveK:
     def batch_pays(self, model: CostModel, ks: list[int], acceptances: list[float]) -> bool:
         """Does this step's mix of K beat a plain step for the batch as a whole?
 
-        Each row chose its K as if the batch shared it, but a ragged batch is padded: one row at
-        K=1 among plain rows makes every row's verify two tokens wide and adds a draft forward.
-        Rows at K=0 emit one token, speculative rows E_K(a) on average; the step pays if the batch
-        emits tokens faster than plain steps would. For a uniform batch this is the per-row rule.
+        Each row chose its K as if the batch shared it, but the batch pays for the sum: each row's
+        draft tokens widen the step's one ragged verify (``runner.py``) and its draft forwards run
+        over fewer rows than the batch. Rows at K=0 emit one token, speculative rows E_K(a) on
+        average; the step pays if the batch emits tokens faster than plain steps would. For a
+        uniform batch this is the per-row rule.
         """
-        widest = max(ks)
-        if widest == 0:
+        if max(ks) == 0:
             return True
-        batch, spec_rows = len(ks), sum(1 for k in ks if k)
-        step = model.spec_step_time(batch, widest, self.topology, draft_rows=spec_rows)
+        batch = len(ks)
+        step = model.ragged_step_time(batch, ks, self.topology)
         tokens = sum(expected_tokens_per_step(a, k) for a, k in zip(acceptances, ks))  # E_0 = 1: plain rows
         return tokens / step > batch / model.plain_time_per_token(batch)
+
+    def plan_budget(self, classes: list[TrafficClass], evidence: list[tuple[list[int], list[int], float | None]],
+                    k_maxes: list[int], fixed: list[int | None], context_len: int, plain_runs: list[int],
+                    catch_up: list[int] | None = None, remaining: list[int] | None = None) -> StepBudget:
+        """A step's K per row under the step's cost (``step_planner.plan_step``). Per row: its class,
+        its (accepted per position, judged per position, class estimate or None) evidence, its K cap,
+        a K it keeps (None: planned), its steps since it last proposed. A row plain for
+        ``probe_every`` steps, or one of a class without evidence, is priced as a probe: one draft
+        token at ``PROBE_CEILING`` (would it pay were acceptance back?), so that evidence can return
+        where the plan would take it; a batch where even that does not pay stays plain. A batch with
+        any sampled row is priced on the sampling path. ``catch_up``: per row, the tokens the draft
+        has not seen; beyond the one a speculative step feeds anyway, their prefill is charged to the
+        row's first draft position, spread over its ``remaining`` tokens at its expected tokens per
+        step (a new request pays for its prompt once, over the steps it speculates)."""
+        priors: dict[tuple, list[float]] = {}  # a step's rows share a few classes: their rates once per plan
+        survivals = []
+        for cls, (acc, judged, estimate), k, f, run in zip(classes, evidence, k_maxes, fixed, plain_runs):
+            if f is not None or k < 1:
+                survivals.append(())
+            elif run >= self.probe_every or self._unexplored(cls, judged, estimate):
+                survivals.append((PROBE_CEILING,))
+            else:
+                key = (cls, estimate, k)
+                if key not in priors:
+                    priors[key] = self.class_rates(cls, estimate, k)
+                survivals.append(survival(position_rates(acc, judged, priors[key], self.tracker.prior_weight)))
+        cls = next((c for c in classes if c.temperature_bucket != "greedy"), classes[0])
+        model = self.cost_model_for(cls, context_len)
+        start_s = None
+        if catch_up is not None and remaining is not None:
+            per_token = model.costs.draft_prefill_s_per_token
+            start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(s)) / max(1, left))
+                       for n, left, s in zip(catch_up, remaining, survivals)]
+        return plan_step(model, survivals, fixed, self.topology, start_s=start_s)
+
+    def _unexplored(self, cls: TrafficClass, judged: list[int], class_estimate: float | None) -> bool:
+        """A row that knows nothing of its acceptance (no judged token, a class with less evidence
+        than the prior's weight and no router estimate): its first plannable step is a probe."""
+        return not judged and class_estimate is None and self.tracker.evidence(cls) < self.tracker.prior_weight
+
+    def class_rates(self, cls: TrafficClass, class_estimate: float | None, k: int) -> list[float]:
+        """[k] what a request's acceptance by draft position is shrunk towards: its class's (the
+        router's estimate for the class, when given, at every position)."""
+        return self.tracker.rates_by_position(cls, k) if class_estimate is None else [class_estimate] * k
+
+    def observe_ragged_step(self, cls: TrafficClass, context_len: int, ks: list[int], seconds: float) -> None:
+        """A decode step whose rows ran at their own K (a budgeted plan) took ``seconds``."""
+        model = self.cost_model_for(cls, context_len)
+        calibrated = replace(model, drift=None).ragged_step_time(len(ks), ks, self.topology)
+        self._observe(max(ks), len(ks), seconds, calibrated)
 
     def _probe_affordable(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,
                           catch_up_tokens: int) -> bool:

@@ -68,6 +68,8 @@ def calibrate(
     costs = cost_grid(time_target, time_draft, batches=batches, qs=qs,  # target first: draft_phase filled
                       time_draft_step=time_draft_step)
     costs = dataclasses.replace(costs, context_len=context_len)
+    if speculative and 2 in qs:
+        costs = dataclasses.replace(costs, one_extra_s=_one_extra(engine, costs, context_len, steps, temperature))
     long_context_len = min(long_context_len or 0, engine.max_model_len - (steps + 3) * max(qs))
     if long_context_len > context_len:
         costs = _context_slopes(engine, costs, qs, long_context_len, steps, temperature)
@@ -77,6 +79,21 @@ def calibrate(
         per_token = runner.time_step(1, prefill_tokens, context_len=1, repeats=2) / prefill_tokens
         costs = dataclasses.replace(costs, draft_prefill_s_per_token=per_token)
     return costs
+
+
+def _one_extra(engine: Engine, costs: StepCosts, context_len: int, steps: int, temperature: float
+               ) -> tuple[float, ...]:
+    """Per batch, the verify with one row at K=1 and the rest plain (``StepCosts.one_extra_s``), kept
+    between the plain step and the two-token one (noise only adds time; more tokens never cost less)."""
+    out = []
+    for b, row in zip(costs.batches, costs.target_s):
+        plain, two = row[0], costs.target_time(b, 2)
+        if b == 1:
+            out.append(two)
+            continue
+        verify, _ = _time_steps(engine, b, 0, context_len, steps, temperature, ks=[1] + [0] * (b - 1))
+        out.append(min(max(verify, plain), two))
+    return tuple(out)
 
 
 def _context_slopes(
@@ -97,15 +114,17 @@ def _context_slopes(
     )
 
 
-def _time_steps(engine: Engine, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0
-                ) -> tuple[float, float]:
-    """Median (verify seconds, propose seconds) of ``steps`` decode steps at this batch and K."""
-    params = SamplingParams(max_new_tokens=(steps + 3) * (k + 1), temperature=temperature, seed=0,
-                            ignore_eos=True, num_speculative_tokens=k)
-    context_len = min(context_len, engine.max_model_len - params.max_new_tokens)
+def _time_steps(engine: Engine, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0,
+                ks: Sequence[int] | None = None) -> tuple[float, float]:
+    """Median (verify seconds, propose seconds) of ``steps`` decode steps at this batch and K (or at
+    ``ks``, one K per row: a ragged step)."""
+    ks = list(ks) if ks is not None else [k] * batch
+    params = [SamplingParams(max_new_tokens=(steps + 3) * (max(ks) + 1), temperature=temperature, seed=0,
+                             ignore_eos=True, num_speculative_tokens=row_k) for row_k in ks]
+    context_len = min(context_len, engine.max_model_len - params[0].max_new_tokens)
     period = [(7 * i + 3) % engine.target.vocab_size for i in range(7)]
     prompt = (period * (context_len // 7 + 1))[:context_len]
-    ids = [engine.add_request(prompt, params) for _ in range(batch)]
+    ids = [engine.add_request(prompt, p) for p in params]
     verify, propose = [], []
     try:
         engine.step()  # prefill

@@ -109,6 +109,10 @@ class StepCosts:
     draft_context_slope_s: float = 0.0
     draft_step_s: tuple[float, ...] = ()
     overlapped: tuple[str, ...] = ("separate",)
+    # One ragged verify per batch: one row at two tokens, the rest at one (empty: not measured). A
+    # verify's cost is a staircase in its tokens where the hardware has one: here a batch-16 forward
+    # of 17 tokens cost 1.9x one of 16 (attention leaves the one-token kernel), 32 tokens hardly more.
+    one_extra_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if list(self.batches) != sorted(set(self.batches)) or list(self.qs) != sorted(set(self.qs)):
@@ -121,6 +125,8 @@ class StepCosts:
             raise ValueError("draft_step_s must have one entry per batch")
         if self.context_slope_s and len(self.context_slope_s) != len(self.qs):
             raise ValueError("context_slope_s must have one entry per q")
+        if self.one_extra_s and len(self.one_extra_s) != len(self.batches):
+            raise ValueError("one_extra_s must have one entry per batch")
 
     def at_context(self, context_len: int) -> StepCosts:
         """The same grid priced at ``context_len`` cached tokens per row (never below the measured one)."""
@@ -134,6 +140,8 @@ class StepCosts:
                            for b, row in zip(self.batches, self.target_s)),
             draft_s=tuple(t + b * extra * self.draft_context_slope_s
                           for b, t in zip(self.batches, self.draft_s)),
+            one_extra_s=tuple(t + b * extra * _interp(self.qs, slopes, 1.0 + 1.0 / b)
+                              for b, t in zip(self.batches, self.one_extra_s)),
             context_len=context_len,
         )
 
@@ -141,6 +149,16 @@ class StepCosts:
         """t_T(b, q): interpolate along q in each grid row, then along batch."""
         per_batch = [_interp(self.qs, row, q) for row in self.target_s]
         return _interp(self.batches, per_batch, batch)
+
+    def ragged_target_time(self, batch: float, extra_tokens: float) -> float:
+        """A verify of ``batch`` rows and ``extra_tokens`` tokens beyond one per row, at any spread
+        over the rows: the grid at the mean width, except below one extra token per row, where the
+        measured first step of the staircase (``one_extra_s``) starts the line to two tokens a row."""
+        if not self.one_extra_s or extra_tokens <= 0 or extra_tokens >= batch:
+            return self.target_time(batch, 1.0 + extra_tokens / batch)
+        first = _interp(self.batches, self.one_extra_s, batch)
+        full = self.target_time(batch, 2)
+        return first + (full - first) * (extra_tokens - 1) / max(1.0, batch - 1)
 
     def draft_time(self, batch: float) -> float:
         """t_D(b): one draft forward, one new token per row."""
@@ -169,6 +187,7 @@ class StepCosts:
             "draft_context_slope_s": self.draft_context_slope_s,
             "draft_step_s": list(self.draft_step_s),
             "overlapped": list(self.overlapped),
+            "one_extra_s": list(self.one_extra_s),
         }
 
     @classmethod
@@ -186,6 +205,7 @@ class StepCosts:
             draft_context_slope_s=float(d.get("draft_context_slope_s", 0.0)),
             draft_step_s=tuple(float(t) for t in d.get("draft_step_s", ())),
             overlapped=tuple(d.get("overlapped", ("separate",))),
+            one_extra_s=tuple(float(t) for t in d.get("one_extra_s", ())),
         )
 
 
@@ -311,6 +331,29 @@ class CostModel:
                               self.costs.hop(topology))
             parts = self._parts_cache[key] = (self.costs.target_time(batch, k + 1), draft, hop)
         return parts
+
+    def ragged_step_time(self, batch: int, ks: Sequence[int], topology: str = "colocated") -> float:
+        """One step whose rows propose their own K (``ks``) and verify at their own widths (the
+        runner's packed forward): a verify of batch + sum(K) tokens, the draft's j-th forward over the
+        rows with K >= j. For a uniform K this is ``spec_step_time``."""
+        depth = max(ks, default=0)
+        rows_at = [sum(1 for k in ks if k > j) for j in range(depth)]
+        draft_s = sum(self.costs.draft_time(n) for n in rows_at)
+        return self.priced_ragged_step(batch, sum(ks), draft_s, rows_at[0] if rows_at else 0, topology)
+
+    def priced_ragged_step(self, batch: int, extra_tokens: int, draft_s: float, draft_rows: int,
+                           topology: str = "colocated") -> float:
+        """``ragged_step_time`` from its parts: ``extra_tokens`` verify tokens beyond one per row, the
+        draft's forwards (``draft_s``), ``draft_rows`` rows drafting. The verify is priced by its
+        tokens (``StepCosts.ragged_target_time``): its projections cost by tokens, not by the widest row."""
+        key = ("ragged", batch, extra_tokens)  # a plan prices every width of its batch, step after step
+        verify = self._parts_cache.get(key)
+        if verify is None:
+            verify = self._parts_cache[key] = self.costs.ragged_target_time(batch, extra_tokens)
+        if not extra_tokens:
+            return verify if self.drift is None else verify * self.drift.factor(0, batch)
+        t = verify + draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)
+        return t if self.drift is None else t * self.drift.factor(1, batch)
 
     def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
         """Time per emitted token with K-token speculation: a step over E_K(a) tokens, or the

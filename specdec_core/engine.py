@@ -95,14 +95,15 @@ class Engine:
 
     def enable_adaptive(
         self, costs: StepCosts, tracker: AcceptanceTracker | None = None, topology: str = "colocated",
-        sampled_costs: StepCosts | None = None,
+        sampled_costs: StepCosts | None = None, budgeted: bool = False,
     ) -> AdaptiveK:
         """Turn on per-step adaptive K for requests with ``adaptive_k=True``, priced with ``costs``
-        (``calibration.calibrate``); sampled requests with ``sampled_costs``, or ``costs`` without."""
+        (``calibration.calibrate``); sampled requests with ``sampled_costs``, or ``costs`` without.
+        ``budgeted``: one plan per step chooses every such row's K for the batch (``step_planner.py``)."""
         if self.proposer is None:
             raise ValueError("adaptive K needs a proposer")
         self.scheduler.adaptive = AdaptiveK(CostView(costs, sampled_costs), tracker or AcceptanceTracker(),
-                                            self.proposer.name, topology)
+                                            self.proposer.name, topology, budgeted=budgeted)
         return self.scheduler.adaptive
 
     # ---- requests ----------------------------------------------------------------------------

@@ -11,6 +11,8 @@ Each layer takes its own attention mask from the runner, so Mistral's sliding wi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
@@ -57,10 +59,12 @@ class FusedLlamaLayers:
                 layer.input_layernorm.weight, qkv, o_proj, layer.post_attention_layernorm.weight, gate_up, down,
             ))
 
-    def __call__(self, hidden, pos_emb, masks, cache):
-        # hidden: [B, Q, H]; pos_emb: (cos, sin) each [B, Q, head_dim];
-        # masks: one [B, 1, Q, kv_len] bool (or None: every column) per layer
-        batch, q_len, width = hidden.shape
+    def __call__(self, hidden, pos_emb, masks, cache, packed: PackedRows | None = None):
+        # hidden: [B, Q, H] (packed: [1, T, H], the rows' tokens back to back); pos_emb: (cos, sin),
+        # each [B, Q, head_dim] ([1, T, head_dim]); masks: one [B, 1, Q, kv_len] bool (or None: every
+        # column) per layer, over the padded layout
+        _, tokens, width = hidden.shape
+        batch, q_len = (packed.batch, packed.q_len) if packed is not None else hidden.shape[:2]
         cos, sin = (t.unsqueeze(2) for t in pos_emb)  # [B, Q, 1, head_dim]
         gqa = self.num_kv_heads != self.num_heads
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -68,21 +72,50 @@ class FusedLlamaLayers:
         for idx, ((ln_attn, qkv, o_proj, ln_mlp, gate_up, down), mask) in enumerate(zip(self.layers, masks)):
             x = qkv(F.rms_norm(hidden, (width,), ln_attn, self.eps))  # [B, Q, (heads + 2 kv_heads) * D]
             # RoPE on queries and keys in one pass: they sit side by side in the fused output.
-            qk = x[..., :qk_width].view(batch, q_len, heads + kv_heads, dim)
+            qk = x[..., :qk_width].view(-1, tokens, heads + kv_heads, dim)
             qk = qk * cos + _rotate_half(qk) * sin
-            q = qk[:, :, :heads].transpose(1, 2)  # [B, heads, Q, D]
+            q = qk[:, :, :heads]  # [B, Q, heads, D]
             k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, Q, D]
-            v = x[..., qk_width:].view(batch, q_len, kv_heads, dim).transpose(1, 2)
+            v = x[..., qk_width:].view(-1, tokens, kv_heads, dim).transpose(1, 2)
             keys, values = cache.update(k, v, idx)  # [B, kv_heads, kv_len, D]
+            if packed is not None:
+                q = packed.pad(q[0])
+            q = q.transpose(1, 2)  # [B, heads, Q, D]
             if q_len == 1:
                 attn = decode_attention(q, keys, values, mask, self.scale)
+            elif packed is not None and packed.wide is not None:
+                attn = ragged_attention(q, keys, values, mask, self.scale, packed.wide, gqa)
             else:
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                                       enable_gqa=gqa)
-            hidden = hidden + o_proj(attn.transpose(1, 2).reshape(batch, q_len, -1))
+            attn = attn.transpose(1, 2).reshape(batch, q_len, -1)  # [B, Q, heads * D]
+            if packed is not None:
+                attn = packed.unpad(attn)
+            hidden = hidden + o_proj(attn)
             gate, up = gate_up(F.rms_norm(hidden, (width,), ln_mlp, self.eps)).chunk(2, dim=-1)
             hidden = hidden + down(F.silu(gate) * up)
         return hidden
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A forward whose rows feed different numbers of tokens, run packed: every projection over the
+    T real tokens back to back ([1, T, ...]), attention alone over the rows padded to the widest
+    (``batch`` x ``q_len``: masks and the cache's per-row views are per row). In a compute-bound
+    verify the projections are the cost, so a row pays for its own width, not the widest row's."""
+
+    batch: int
+    q_len: int
+    padded_index: torch.Tensor  # [T]: each real token's place in the padded [batch * q_len] layout
+    wide: torch.Tensor | None  # [W] the rows of more than one token, where others have one (None: all wide)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [batch, q_len, ...], zeros in the padding
+        out = x.new_zeros((self.batch * self.q_len,) + x.shape[1:])
+        out.index_copy_(0, self.padded_index, x)
+        return out.view((self.batch, self.q_len) + x.shape[1:])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:  # [batch, q_len, F] -> [1, T, F]
+        return x.reshape(self.batch * self.q_len, -1).index_select(0, self.padded_index).unsqueeze(0)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -108,6 +141,24 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     probs = torch.softmax(scores, dim=1)
     out = (v.unsqueeze(3) * probs.unsqueeze(-1)).sum(1)  # [B, kv, g, D]
     return out.reshape(batch, heads, 1, dim)
+
+
+def ragged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                     wide: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """Attention of a batch whose rows mostly query one token and a few (``wide``) several: every
+    row's first query streams through ``decode_attention``, the wide rows alone through SDPA.
+
+    q: [B, heads, Q, D] padded; keys, values: [B, kv_heads, T, D]; mask: [B, 1, Q, T] bool.
+    SDPA over the whole padded batch cost ~1.7 ms a layer at batch 16 against ~0.5 for the one-token
+    kernel, so one row's draft token nearly doubled a batch-16 verify (docs/ARCHITECTURE.md, Facts);
+    here it costs that row's share.
+    """
+    out = decode_attention(q[:, :, :1], keys, values, mask[:, :, :1], scale)  # [B, heads, 1, D]
+    out = out.expand(-1, -1, q.shape[2], -1).contiguous()  # [B, heads, Q, D]: narrow rows' padding repeats
+    wide_out = F.scaled_dot_product_attention(q.index_select(0, wide), keys.index_select(0, wide),
+                                              values.index_select(0, wide), attn_mask=mask.index_select(0, wide),
+                                              scale=scale, enable_gqa=gqa)  # [W, heads, Q, D]
+    return out.index_copy_(0, wide, wide_out)
 
 
 def share_weight(projection: Projection, modules) -> None:

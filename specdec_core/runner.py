@@ -16,6 +16,7 @@ only hides the old ones). A checkpoint whose config asks for something this does
 from __future__ import annotations
 
 import heapq
+import itertools
 import statistics
 import time
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from specdec_core.fused_llama import FusedLlamaLayers, can_fuse, share_weight
+from specdec_core.fused_llama import FusedLlamaLayers, PackedRows, can_fuse, share_weight
 from specdec_core.kv_cache import SlotKVCache, StepLayout
 from specdec_core.linear import Projection
 
@@ -219,17 +220,30 @@ class ModelRunner:
                 raise ValueError(f"{self.name}: slot {slot} would exceed max_len {self.max_len}")
         q_max = max(q)
         dev = self.device
+        # Rows of different widths (a verify at each row's own K, prefills beside decodes) run packed
+        # on the fused stack: its projections see only the real tokens, never the padding to the widest
+        # row (ragged verification: a plain row among K=4 rows costs one token, not five). HF's layers
+        # take a [B, Q] batch: padded.
+        packed = self._fused is not None and min(q) != q_max
         row_len = self.cache.max_len + 1  # a slot's rows in the flat cache, trash column included
         # Index data is built in Python and sent as one tensor each: a forward runs in ~0.5-2 ms
         # here, and every small tensor op it saves is ~2 us.
         # [B][Q]: padding repeats its row's last position, so its query sees a non-empty sliding window
         # and looks up a RoPE row inside the table.
         positions = [[length + min(c, n - 1) for c in range(q_max)] for length, n in zip(lengths, q)]
-        write_rows = [
-            slot * row_len + (pos if c < n else self.cache.max_len)  # padding writes to the trash column
-            for slot, n, row in zip(slots, q, positions) for c, pos in enumerate(row)
-        ]
-        ids = torch.tensor([list(toks) + [0] * (q_max - len(toks)) for toks in new_tokens], device=dev)  # [B, Q]
+        if packed:
+            write_rows = [slot * row_len + length + c for slot, length, n in zip(slots, lengths, q) for c in range(n)]
+            ids = torch.tensor([[t for toks in new_tokens for t in toks]], device=dev)  # [1, T]
+            token_positions = torch.tensor([[length + c for length, n in zip(lengths, q) for c in range(n)]],
+                                           device=dev)  # [1, T]
+            # [T]: each real token's place in the padded [B * Q] layout attention runs in
+            padded_index = torch.tensor([b * q_max + c for b, n in enumerate(q) for c in range(n)], device=dev)
+        else:
+            write_rows = [
+                slot * row_len + (pos if c < n else self.cache.max_len)  # padding writes to the trash column
+                for slot, n, row in zip(slots, q, positions) for c, pos in enumerate(row)
+            ]
+            ids = torch.tensor([list(toks) + [0] * (q_max - len(toks)) for toks in new_tokens], device=dev)  # [B, Q]
         positions_t = torch.tensor(positions, device=dev)  # [B, Q]
         kv_len = max(length + n for length, n in zip(lengths, q))
         masks = self._layer_masks(positions_t, kv_len, ragged=q_max > 1 or min(lengths) != max(lengths))
@@ -245,9 +259,14 @@ class ModelRunner:
         hidden = F.embedding(ids, self._embed.weight) if self._fused is not None else self._embed(ids)  # [B, Q, H]
         if self._embedding_multiplier != 1.0:
             hidden = hidden * self._embedding_multiplier
-        pos_emb = (self._rope_table[0][positions_t], self._rope_table[1][positions_t])
+        rope_at = token_positions if packed else positions_t
+        pos_emb = (self._rope_table[0][rope_at], self._rope_table[1][rope_at])
         if self._fused is not None:
-            hidden = self._fused(hidden, pos_emb, masks, self.cache)
+            wide = None
+            if packed and min(q) == 1:  # one-token rows beside wider ones: attention per kind (fused_llama.py)
+                wide = torch.tensor([b for b, n in enumerate(q) if n > 1], device=dev)
+            layout = PackedRows(batch, q_max, padded_index, wide) if packed else None
+            hidden = self._fused(hidden, pos_emb, masks, self.cache, layout)  # [1, T, H] when packed
         else:
             for layer, mask in zip(self._layers, masks):
                 hidden = layer(
@@ -258,6 +277,8 @@ class ModelRunner:
         self.cache.layout = None
         for slot, n in zip(slots, q):
             self._lengths[slot] += n
+        if packed:
+            return self._packed_logits(hidden[0], q, num_logits)
         return self._logits(hidden, q, num_logits)
 
     def _layer_masks(self, positions: torch.Tensor, kv_len: int, ragged: bool) -> list[torch.Tensor | None]:
@@ -277,6 +298,15 @@ class ModelRunner:
         full = causal if ragged else None
         return [by_window.get(w, full) for w in self._windows]
 
+    def _packed_logits(self, hidden: torch.Tensor, q: list[int], num_logits: list[int]) -> torch.Tensor:
+        # hidden: [T, H], the rows' tokens back to back -> [B, max(num_logits), V], as ``_logits``
+        n_max, ends = max(num_logits), list(itertools.accumulate(q))
+        pick = torch.tensor(
+            [[end - n + max(0, min(n - k + c, n - 1)) for c in range(n_max)] for end, n, k in zip(ends, q, num_logits)],
+            device=hidden.device,
+        )  # [B, N]: right-padded by repeating the last position
+        return self._head(hidden[pick])
+
     def _logits(self, hidden: torch.Tensor, q: list[int], num_logits: list[int]) -> torch.Tensor:
         # hidden: [B, Q, H] -> [B, max(num_logits), V] logits at each row's last num_logits positions
         n_max = max(num_logits)
@@ -288,6 +318,10 @@ class ModelRunner:
                 device=hidden.device,
             )  # [B, N]: right-padded by repeating the last position
             picked = hidden.gather(1, pick.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, N, H]
+        return self._head(picked)
+
+    def _head(self, picked: torch.Tensor) -> torch.Tensor:
+        # picked: [B, N, H] final hidden states -> [B, N, V] float32 logits
         if self._fused is not None:  # the same RMSNorm as the module, without its call machinery
             normed = F.rms_norm(picked, (picked.shape[-1],), self._norm.weight, self._norm.variance_epsilon)
         else:

@@ -33,6 +33,7 @@ from specdec_core.adaptive import AdaptiveK, KState, Regret, stop
 from specdec_core.proposers import Proposal
 from specdec_core.request import RequestOutput, RequestState
 from specdec_core.stats import StepTiming
+from specdec_core.step_planner import StepBudget
 from specdec_core.verifier import VerifyResult
 
 NO_PROPOSAL = Proposal([], None)
@@ -51,6 +52,7 @@ class ScheduledRequest(RequestState):
         self.draft_seen = 0  # history length the draft has fed (its proposals count until rejected)
         self.regret = Regret()  # adaptive K's guard: what its speculative steps cost against plain ones
         self.carried: Proposal | None = None  # an overlapped proposal: what this request's next verify judges
+        self.plain_run = 0  # consecutive decode steps without a proposal (a budgeted row's probe clock)
         self.error: BaseException | None = None  # why its step failed, for the caller to raise
 
     @property
@@ -106,6 +108,7 @@ class Scheduler:
         self.running: list[ScheduledRequest] = []
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
+        self.budget: StepBudget | None = None  # the last step's budgeted plan (None: not planned)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -160,6 +163,8 @@ class Scheduler:
 
     def _ks(self, rows: list[ScheduledRequest]) -> list[int]:
         batch = len(rows)
+        if self.adaptive is not None and self.adaptive.budgeted:
+            return self._budgeted_ks(rows)
         ks = [self._choose_k(r, batch) for r in rows]
         if self.adaptive is None or not any(ks):
             return ks
@@ -173,6 +178,30 @@ class Scheduler:
         if any(ks) and all(on for on, k in zip(adaptive, ks) if k) and self.adaptive.reference_due(batch):
             return [0] * batch  # the regret guard's reference step (adaptive.py): measured plain, once
         return ks
+
+    def _budgeted_ks(self, rows: list[ScheduledRequest]) -> list[int]:
+        """Every adaptive row's K from one plan for the batch (``AdaptiveK.plan_budget``); the other
+        rows keep theirs (fixed K, an overlapped proposal, plain while a failed draft waits)."""
+        planned = [self._plannable(r) for r in rows]
+        fixed = [None if on else self._choose_k(r, len(rows)) for r, on in zip(rows, planned)]
+        if not any(planned):
+            self.budget = None
+            return fixed
+        if self.adaptive.reference_due(len(rows)) and not any(fixed):
+            self.budget = None
+            return [0] * len(rows)  # the drift's reference: one measured plain step (adaptive.py)
+        self.budget = self.adaptive.plan_budget(
+            [self._traffic_class(r) for r in rows],
+            [(r.stats.accepted_per_position, r.stats.proposed_per_position, r.params.class_acceptance) for r in rows],
+            [r.budget_k(r.params.num_speculative_tokens, self.max_model_len) for r in rows],
+            fixed, max(len(r.tokens) for r in rows), [r.plain_run for r in rows],
+            [r.draft_catch_up for r in rows], [r.params.max_new_tokens - len(r.output_ids) for r in rows],
+        )
+        return list(self.budget.ks)
+
+    def _plannable(self, req: ScheduledRequest) -> bool:
+        return (req.params.adaptive_k and req.params.num_speculative_tokens > 0 and req.carried is None
+                and self.speculative and self.clock() >= req.draft_retry_at)
 
     def _choose_k(self, req: ScheduledRequest, batch: int) -> int:
         if req.carried is not None:  # proposed during the last verify: this step judges it
@@ -245,11 +274,17 @@ class Scheduler:
         before = [len(r.output_ids) for r in rows]
         for i, (req, res, prop) in enumerate(zip(rows, verified, result.proposals)):
             self._verified(req, res, prop, result.ahead.get(i))
+            req.plain_run = 0 if prop.token_ids else req.plain_run + 1
         step_s = timing.propose_s + timing.verify_s
         proposed = {len(p.token_ids) for p in result.proposals}
         timing.batch = len(rows)
         timing.speculative_rows = sum(1 for p in result.proposals if p.token_ids)
         timing.k = max(proposed)
+        timing.ks = tuple(len(p.token_ids) for p in result.proposals)
+        timing.draft_tokens = sum(timing.ks)
+        if self.budget is not None and len(self.budget.ks) == len(rows):
+            timing.planned_speedup = self.budget.predicted_speedup
+        timing.emitted = sum(len(r.output_ids) - n0 for r, n0 in zip(rows, before))
         if self.adaptive is None:
             return
         # A draft's catch-up prefill (the prompt, or what plain steps emitted) is not a step cost: it
@@ -258,9 +293,12 @@ class Scheduler:
         # Plain steps feed no draft: they are always step costs.
         if catch_up <= 2:
             self._account_regret(rows, result.proposals, before, step_s)
-        # Steps whose rows all proposed K tokens (or none) teach adaptive K how far real steps run from
-        # the calibration.
-        if len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
+        # Steps whose rows all proposed K tokens (or none), or ran a budgeted plan, teach adaptive K how
+        # far real steps run from the calibration.
+        if self.budget is not None and catch_up <= 2 and len(self.budget.ks) == len(rows):
+            self.adaptive.observe_ragged_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows),
+                                              list(timing.ks), step_s)
+        elif len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
             self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), len(rows),
                                        proposed.pop(), step_s)
 

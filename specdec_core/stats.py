@@ -80,7 +80,11 @@ class StepTiming:
 
     batch: int = 0  # running requests in the decode pass
     speculative_rows: int = 0
-    k: int = 0  # the step's widest proposal: its verify is k + 1 tokens wide for every row
+    k: int = 0  # the step's widest proposal
+    draft_tokens: int = 0  # proposed over all rows: the verify is batch + draft_tokens tokens (ragged)
+    emitted: int = 0  # tokens the decode rows emitted
+    ks: tuple[int, ...] = ()  # per decode row: the tokens it proposed
+    planned_speedup: float = 0.0  # a budgeted plan's expected tokens per second over a plain step's (0: none)
     prefill_rows: int = 0
     propose_s: float = 0.0
     verify_s: float = 0.0

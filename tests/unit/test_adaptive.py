@@ -351,11 +351,15 @@ def test_ngram_calibration_times_full_width_verifies(tiny_models):
     assert isinstance(eng.proposer, NgramProposer)  # restored
 
 
-def test_batch_pays_prices_the_padded_batch():
-    """At batch 8 with a cheap draft, every row speculating at high acceptance pays; one row at K=4
-    among plain rows does not: it widens every row's verify to 5 tokens for ~3 extra tokens."""
+def test_batch_pays_prices_the_ragged_batch():
+    """At batch 8 with a cheap draft, every row speculating at high acceptance pays, and so does one
+    row at K=4 among plain rows: the ragged verify widens by its 4 tokens, not every row's to 5. Rows
+    that accept 10% do not pay for theirs."""
     policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(), "draft")
     model = policy.view.model(True)
     assert policy.batch_pays(model, [4] * 8, [0.9] * 8)
-    assert not policy.batch_pays(model, [4] + [0] * 7, [0.9] * 8)
+    assert policy.batch_pays(model, [4] + [0] * 7, [0.9] * 8)
+    assert not policy.batch_pays(model, [4] * 8, [0.1] * 8)
+    padded = model.spec_step_time(8, 4, draft_rows=1)
+    assert model.ragged_step_time(8, [4] + [0] * 7) < 0.75 * padded
     assert policy.batch_pays(model, [0] * 8, [0.9] * 8)  # a plain step is never vetoed

@@ -54,6 +54,21 @@ def test_regimes_quick_writes_documented_json(family, tmp_path):
     assert (tmp_path / "predicted_vs_measured.png").stat().st_size > 0
 
 
+def test_budget_sweep_writes_every_mode_measured_and_predicted(family, tmp_path):
+    main(["budget", "--models", str(family), "--out", str(tmp_path), "--threads", "1", "--reps", "1",
+          "--batches", "2"])
+    data = json.loads((tmp_path / "budget.json").read_text())
+    names = {c["cell"] for c in data["cells"]}
+    assert names == {"prose b2", "mixed b2"}
+    for cell in data["cells"]:
+        modes = {"plain", "k1", "k2", "k4", "k8", "auto", "budget"}
+        assert set(cell["tok_s"]) == set(cell["predicted"]) == modes
+        assert all(v > 0 for v in cell["tok_s"].values())
+        assert cell["speedup"]["plain"] == pytest.approx(1.0) == cell["predicted"]["plain"]
+        assert cell["mean_k"]["plain"] == 0 and cell["mean_k"]["k4"] > 0
+    assert "| prose b2 |" in (tmp_path / "budget.md").read_text()
+
+
 def test_predict_writes_regime_map(tmp_path):
     main(["predict", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "predict.json").read_text())

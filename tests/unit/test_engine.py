@@ -6,9 +6,11 @@ import torch
 from distributions import exact_marginals, expected_tv
 from transformers import AutoModelForCausalLM
 
-from specdec_core import Engine, SamplingParams
+from specdec_core import Engine, SamplingParams, StepCosts
 from specdec_core.proposers import NgramProposer
 
+# A verify nearly free, a cheap draft: speculation pays at any acceptance the tiny draft reaches.
+PAYING_COSTS = StepCosts(batches=(1, 16), qs=(1, 9), target_s=((0.010, 0.011), (0.012, 0.016)), draft_s=(0.0005, 0.001))
 PROMPTS = [
     "It is a truth universally acknowledged",
     "def fibonacci(n):",
@@ -79,6 +81,21 @@ def test_mixed_batch_of_plain_and_speculative(engine, plain_reference):
     assert outs[0].stats.proposed == 0 and outs[1].stats.proposed > 0
 
 
+def test_budgeted_verification_is_lossless_with_a_k_per_row(tiny_models, plain_reference):
+    """Budgeted auto (one plan per step, each row at its own K, verified ragged) on costs where
+    speculation pays, rows capped at different K, the target as its own draft (every draft token
+    accepted, so the plan goes deep): greedy output equals plain token for token, and steps did run
+    rows at different K."""
+    engine = Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_batch_size=16, max_model_len=256)
+    engine.enable_adaptive(PAYING_COSTS, budgeted=True)
+    params = [SamplingParams(max_new_tokens=24, num_speculative_tokens=k, adaptive_k=True) for k in (8, 3, 8, 5)]
+    trace = []
+    outs = engine.generate(PROMPTS, params=params, trace=trace)
+    assert [o.token_ids for o in outs] == plain_reference
+    assert any(len(set(s.ks)) > 1 and max(s.ks) > 0 for s in trace)  # a ragged step
+    assert sum(o.stats.proposed for o in outs) > 0
+
+
 def test_batched_equals_one_at_a_time(engine):
     kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.95, num_speculative_tokens=3, seed=11)
     batched = engine.generate(PROMPTS, **kw)
@@ -95,20 +112,22 @@ def test_seeded_sampling_is_deterministic(engine):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
-def test_sampled_speculation_follows_the_target_distribution(tiny_models, noisy_draft):
+@pytest.mark.parametrize("ks", [(3,), (3, 1, 0, 2)], ids=["uniform", "ragged"])
+def test_sampled_speculation_follows_the_target_distribution(tiny_models, noisy_draft, ks):
     """Lossless sampling through the engine at T=1 with top-k and top-p: output tokens 2 and 3,
-    produced by a K=3 verify against a draft that agrees only partly with the target (accepted,
-    recovered and bonus tokens all occur), follow the target's exact marginals. The bound (2x the
-    sampling noise) separates the correct sampler (measured ~1.0x) from one that draws the
-    recovered token from p instead of norm(max(0, p - q)) (~3x) or accepts every draft token (~10x)."""
+    produced by verifies against a draft that agrees only partly with the target (accepted,
+    recovered and bonus tokens all occur), follow the target's exact marginals, with every row at
+    K=3 and with rows at their own K in one ragged (packed) verify. The bound (2x the sampling noise)
+    separates the correct sampler (measured ~1.0x) from one that draws the recovered token from p
+    instead of norm(max(0, p - q)) (~3x) or accepts every draft token (~10x)."""
     n, prompt, knobs = 3000, [7, 3, 11], dict(temperature=1.0, top_k=8, top_p=0.9)
     engine = Engine.from_pretrained(tiny_models["target"], noisy_draft, max_batch_size=64, max_model_len=64)
-    params = [SamplingParams(max_new_tokens=5, seed=i, num_speculative_tokens=3, ignore_eos=True, **knobs)
-              for i in range(n)]
+    params = [SamplingParams(max_new_tokens=5, seed=i, num_speculative_tokens=ks[i % len(ks)], ignore_eos=True,
+                             **knobs) for i in range(n)]
     outs = engine.generate([prompt] * n, params=params)
     proposed, accepted = sum(o.stats.proposed for o in outs), sum(o.stats.accepted for o in outs)
-    assert proposed >= 3 * n and 0.1 < accepted / proposed < 0.9  # speculated; accepts and rejects both
-    assert sum(o.stats.accepted_per_position[2] for o in outs) > 20  # all 3 accepted: bonus tokens too
+    assert proposed >= sum(ks) / len(ks) * n and 0.1 < accepted / proposed < 0.9  # accepts and rejects both
+    assert sum(o.stats.accepted_per_position[2] for o in outs if o.stats.proposed_per_position[2:]) > 20  # bonuses
     for position, exact in list(enumerate(exact_marginals(tiny_models["target"], prompt, 3, **knobs)))[1:]:
         hist = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=exact.numel()) / n
         tv = 0.5 * (hist - exact).abs().sum().item()

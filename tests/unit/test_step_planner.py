@@ -1,0 +1,138 @@
+"""The budgeted step planner: each row's K for the batch as a whole, priced as one ragged verify."""
+
+import itertools
+
+import pytest
+
+from specdec_core.acceptance import position_rates
+from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.step_planner import plan_step, survival
+
+# Shaped like the served family on this CPU (ms): a verify nearly free at batch 1, compute bound from
+# ~16 tokens per forward (batch 8: 5 tokens a row cost 2.7x a plain step), a cheap draft.
+COSTS = StepCosts(
+    batches=(1, 8, 64),
+    qs=(1, 2, 3, 5, 9),
+    target_s=((0.0100, 0.0102, 0.0104, 0.0108, 0.0116),
+              (0.0140, 0.0200, 0.0260, 0.0380, 0.0620),
+              (0.0600, 0.1200, 0.1800, 0.3000, 0.5400)),
+    draft_s=(0.0010, 0.0015, 0.0060),
+)
+MODEL = CostModel(COSTS)
+HIGH, LOW = survival([0.9] * 8), survival([0.2] * 8)
+
+
+def tokens_per_s(ks, survivals) -> float:
+    expected = len(ks) + sum(sum(s[:k]) for s, k in zip(survivals, ks))
+    return expected / MODEL.ragged_step_time(len(ks), ks)
+
+
+def test_survival_is_the_product_of_position_rates():
+    assert survival([0.8, 0.5, 0.5]) == pytest.approx((0.8, 0.4, 0.2))
+
+
+def test_a_rows_position_rates_shrink_towards_its_class():
+    # 10 judged at position 1, 9 accepted; nothing judged at 2: the class's rate there.
+    assert position_rates([9], [10], [0.5, 0.4], prior_weight=10) == pytest.approx([0.7, 0.4])
+
+
+def test_one_row_speculates_deep_where_the_verify_is_free():
+    plan = plan_step(MODEL, [HIGH], [None])
+    assert plan.ks == (8,)
+    assert plan.predicted_speedup > 3
+
+
+def test_a_uniform_batch_gets_the_uniform_optimum():
+    """Rows alike: the plan is at least as fast as the best K shared by every row."""
+    for batch in (1, 8):
+        plan = plan_step(MODEL, [HIGH] * batch, [None] * batch)
+        best_uniform = max(tokens_per_s([k] * batch, [HIGH] * batch) for k in range(9))
+        assert tokens_per_s(plan.ks, [HIGH] * batch) >= 0.999 * best_uniform
+
+
+def test_a_mixed_batch_speculates_only_where_it_pays():
+    """Half the rows accept 90%, half 20%: one K for all cannot beat plain by much; a K per row can."""
+    survivals = [HIGH, LOW] * 4
+    plan = plan_step(MODEL, survivals, [None] * 8)
+    assert all(k > 0 for k in plan.ks[::2]) and all(k == 0 for k in plan.ks[1::2])
+    best_uniform = max(tokens_per_s([k] * 8, survivals) for k in range(9))
+    assert tokens_per_s(plan.ks, survivals) > 1.1 * best_uniform
+    assert plan.predicted_speedup == pytest.approx(tokens_per_s(plan.ks, survivals) * COSTS.target_time(8, 1) / 8)
+
+
+def test_the_plan_is_near_the_best_of_every_k_vector():
+    survivals = [survival([0.95, 0.9, 0.6]), survival([0.7, 0.5, 0.3]), survival([0.3, 0.2, 0.1])]
+    plan = plan_step(MODEL, survivals, [None] * 3, margin=0.0)
+    best = max(tokens_per_s(list(ks), survivals) for ks in itertools.product(range(4), repeat=3))
+    assert tokens_per_s(plan.ks, survivals) >= 0.98 * best
+
+
+def test_a_compute_bound_batch_decodes_plain():
+    plan = plan_step(MODEL, [survival([0.6] * 8)] * 64, [None] * 64)
+    assert plan.ks == (0,) * 64
+    assert plan.predicted_speedup == pytest.approx(1.0)
+
+
+def test_speculation_must_beat_plain_by_the_margin():
+    survivals = [survival([0.3] * 4)]
+    free = plan_step(MODEL, survivals, [None], margin=0.0)
+    gain = free.predicted_speedup
+    assert any(free.ks) and 1.0 < gain < 1.3
+    assert plan_step(MODEL, survivals, [None], margin=gain - 1 + 0.01).ks == (0,)
+
+
+def test_rows_with_their_own_k_are_planned_around():
+    plan = plan_step(MODEL, [(), HIGH, LOW], [3, None, 0])
+    assert plan.ks[0] == 3 and plan.ks[2] == 0 and plan.ks[1] > 0
+
+
+def test_the_incremental_price_is_the_ragged_step_time():
+    survivals = [HIGH, survival([0.6] * 8), LOW, survival([0.8] * 5)]
+    plan = plan_step(MODEL, survivals, [None] * 4, margin=0.0)
+    assert plan.step_s == pytest.approx(MODEL.ragged_step_time(4, plan.ks))
+    # Uniform K: the ragged price is the padded one.
+    assert MODEL.ragged_step_time(8, [4] * 8) == pytest.approx(MODEL.spec_step_time(8, 4))
+
+
+def _policy(prior_mean: float):
+    from specdec_core import AcceptanceTracker, AdaptiveK, TrafficClass
+    from specdec_core.cost_view import CostView
+
+    policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(prior_mean=prior_mean), "draft", budgeted=True)
+    return policy, TrafficClass.of("draft", 0.0)
+
+
+def test_a_class_without_evidence_probes_then_follows_what_it_learns():
+    """At batch 8 a row priced at a prior of 0.3 would stay plain, but a class nobody has judged is
+    probed (one draft token); once the class shows 90% acceptance its rows speculate deep, and once it
+    shows 3% they stay plain until ``probe_every`` plain steps make a probe due."""
+    policy, cls = _policy(prior_mean=0.3)
+    rows = dict(classes=[cls] * 8, evidence=[([], [], None)] * 8, k_maxes=[8] * 8, fixed=[None] * 8,
+                context_len=64)
+    assert policy.plan_budget(**rows, plain_runs=[0] * 8).ks == (1,) * 8
+    for _ in range(40):
+        policy.observe(cls, 8, 8)
+    assert min(policy.plan_budget(**rows, plain_runs=[0] * 8).ks) >= 4
+    policy, cls = _policy(prior_mean=0.3)
+    for _ in range(200):
+        policy.observe(cls, 1, 0)
+    assert policy.plan_budget(**rows, plain_runs=[0] * 8).ks == (0,) * 8
+    assert policy.plan_budget(**rows, plain_runs=[policy.probe_every] * 8).ks == (1,) * 8
+
+
+def test_a_rows_own_evidence_sets_its_k():
+    policy, cls = _policy(prior_mean=0.6)
+    for _ in range(40):
+        policy.observe(cls, 4, 2)
+    good = ([30, 30, 30, 30], [30, 30, 30, 30], None)  # accepted, judged per position: every draft kept
+    bad = ([0], [30], None)
+    plan = policy.plan_budget([cls] * 8, [good, bad] * 4, [8] * 8, [None] * 8, 64, [0] * 8)
+    assert all(k >= 2 for k in plan.ks[::2]) and all(k == 0 for k in plan.ks[1::2])
+
+
+def test_a_row_the_draft_is_behind_on_pays_for_its_catch_up():
+    """Two rows alike; the draft has to catch up on one of them first (its prompt): a start cost that
+    eats that row's gain keeps it plain while the other speculates."""
+    plan = plan_step(MODEL, [HIGH, HIGH], [None, None], start_s=[0.05, 0.0])
+    assert plan.ks[0] == 0 and plan.ks[1] > 0
+    assert plan_step(MODEL, [HIGH, HIGH], [None, None], start_s=[0.0, 0.0]).ks[0] > 0
