@@ -45,10 +45,6 @@ class StepBudget:
     plain_step_s: float  # a plain step of the same batch
 
     @property
-    def verify_tokens(self) -> int:
-        return len(self.ks) + sum(self.ks)
-
-    @property
     def predicted_speedup(self) -> float:
         """Tokens per second of this step over a plain step's."""
         return (self.expected_tokens / self.step_s) / (len(self.ks) / self.plain_step_s)
