@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass, position_rates
 from specdec_core.cost_view import CostView
@@ -345,7 +345,7 @@ class AdaptiveK:
 
     def plan_budget(self, classes: list[TrafficClass], evidence: list[tuple[list[int], list[int], float | None]],
                     k_maxes: list[int], fixed: list[int | None], context_len: int, plain_runs: list[int],
-                    catch_up: list[int] | None = None, remaining: list[int] | None = None) -> StepBudget:
+                    catch_up: list[int], remaining: list[int]) -> StepBudget:
         """A step's K per row under the step's cost (``step_planner.plan_step``). Per row: its class,
         its (accepted per position, judged per position, class estimate or None) evidence, its K cap,
         a K it keeps (None: planned), its steps since it last proposed. A row plain for
@@ -370,11 +370,9 @@ class AdaptiveK:
                 survivals.append(survival(position_rates(acc, judged, priors[key], self.tracker.prior_weight)))
         cls = next((c for c in classes if c.temperature_bucket != "greedy"), classes[0])
         model = self.cost_model_for(cls, context_len)
-        start_s = None
-        if catch_up is not None and remaining is not None:
-            per_token = model.costs.draft_prefill_s_per_token
-            start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(s)) / max(1, left))
-                       for n, left, s in zip(catch_up, remaining, survivals)]
+        per_token = model.costs.draft_prefill_s_per_token
+        start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(s)) / max(1, left))
+                   for n, left, s in zip(catch_up, remaining, survivals)]
         return plan_step(model, survivals, fixed, self.topology, start_s=start_s)
 
     def _unexplored(self, cls: TrafficClass, judged: list[int], class_estimate: float | None) -> bool:
@@ -389,8 +387,7 @@ class AdaptiveK:
 
     def observe_ragged_step(self, cls: TrafficClass, context_len: int, ks: list[int], seconds: float) -> None:
         """A decode step whose rows ran at their own K (a budgeted plan) took ``seconds``."""
-        model = self.cost_model_for(cls, context_len)
-        calibrated = replace(model, drift=None).ragged_step_time(len(ks), ks, self.topology)
+        calibrated = self.cost_model_for(cls, context_len).ragged_step_time(len(ks), ks, self.topology, calibrated=True)
         self._observe(max(ks), len(ks), seconds, calibrated)
 
     def _probe_affordable(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,

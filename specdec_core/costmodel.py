@@ -332,17 +332,18 @@ class CostModel:
             parts = self._parts_cache[key] = (self.costs.target_time(batch, k + 1), draft, hop)
         return parts
 
-    def ragged_step_time(self, batch: int, ks: Sequence[int], topology: str = "colocated") -> float:
+    def ragged_step_time(self, batch: int, ks: Sequence[int], topology: str = "colocated",
+                         calibrated: bool = False) -> float:
         """One step whose rows propose their own K (``ks``) and verify at their own widths (the
         runner's packed forward): a verify of batch + sum(K) tokens, the draft's j-th forward over the
-        rows with K >= j. For a uniform K this is ``spec_step_time``."""
+        rows with K >= j. For a uniform K this is ``spec_step_time``. ``calibrated``: without the drift."""
         depth = max(ks, default=0)
         rows_at = [sum(1 for k in ks if k > j) for j in range(depth)]
         draft_s = sum(self.costs.draft_time(n) for n in rows_at)
-        return self.priced_ragged_step(batch, sum(ks), draft_s, rows_at[0] if rows_at else 0, topology)
+        return self.priced_ragged_step(batch, sum(ks), draft_s, rows_at[0] if rows_at else 0, topology, calibrated)
 
     def priced_ragged_step(self, batch: int, extra_tokens: int, draft_s: float, draft_rows: int,
-                           topology: str = "colocated") -> float:
+                           topology: str = "colocated", calibrated: bool = False) -> float:
         """``ragged_step_time`` from its parts: ``extra_tokens`` verify tokens beyond one per row, the
         draft's forwards (``draft_s``), ``draft_rows`` rows drafting. The verify is priced by its
         tokens (``StepCosts.ragged_target_time``): its projections cost by tokens, not by the widest row."""
@@ -350,10 +351,10 @@ class CostModel:
         verify = self._parts_cache.get(key)
         if verify is None:
             verify = self._parts_cache[key] = self.costs.ragged_target_time(batch, extra_tokens)
-        if not extra_tokens:
-            return verify if self.drift is None else verify * self.drift.factor(0, batch)
-        t = verify + draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)
-        return t if self.drift is None else t * self.drift.factor(1, batch)
+        t = verify
+        if extra_tokens:
+            t += draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)
+        return t if calibrated or self.drift is None else t * self.drift.factor(extra_tokens, batch)
 
     def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
         """Time per emitted token with K-token speculation: a step over E_K(a) tokens, or the

@@ -163,6 +163,7 @@ class Scheduler:
 
     def _ks(self, rows: list[ScheduledRequest]) -> list[int]:
         batch = len(rows)
+        self.budget = None  # set again only by a budgeted plan of these rows
         if self.adaptive is not None and self.adaptive.budgeted:
             return self._budgeted_ks(rows)
         ks = [self._choose_k(r, batch) for r in rows]
@@ -185,10 +186,8 @@ class Scheduler:
         planned = [self._plannable(r) for r in rows]
         fixed = [None if on else self._choose_k(r, len(rows)) for r, on in zip(rows, planned)]
         if not any(planned):
-            self.budget = None
             return fixed
         if self.adaptive.reference_due(len(rows)) and not any(fixed):
-            self.budget = None
             return [0] * len(rows)  # the drift's reference: one measured plain step (adaptive.py)
         self.budget = self.adaptive.plan_budget(
             [self._traffic_class(r) for r in rows],

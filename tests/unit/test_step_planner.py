@@ -108,7 +108,7 @@ def test_a_class_without_evidence_probes_then_follows_what_it_learns():
     shows 3% they stay plain until ``probe_every`` plain steps make a probe due."""
     policy, cls = _policy(prior_mean=0.3)
     rows = dict(classes=[cls] * 8, evidence=[([], [], None)] * 8, k_maxes=[8] * 8, fixed=[None] * 8,
-                context_len=64)
+                context_len=64, catch_up=[1] * 8, remaining=[32] * 8)
     assert policy.plan_budget(**rows, plain_runs=[0] * 8).ks == (1,) * 8
     for _ in range(40):
         policy.observe(cls, 8, 8)
@@ -126,7 +126,7 @@ def test_a_rows_own_evidence_sets_its_k():
         policy.observe(cls, 4, 2)
     good = ([30, 30, 30, 30], [30, 30, 30, 30], None)  # accepted, judged per position: every draft kept
     bad = ([0], [30], None)
-    plan = policy.plan_budget([cls] * 8, [good, bad] * 4, [8] * 8, [None] * 8, 64, [0] * 8)
+    plan = policy.plan_budget([cls] * 8, [good, bad] * 4, [8] * 8, [None] * 8, 64, [0] * 8, [1] * 8, [32] * 8)
     assert all(k >= 2 for k in plan.ks[::2]) and all(k == 0 for k in plan.ks[1::2])
 
 
