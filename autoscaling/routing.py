@@ -117,19 +117,21 @@ class RoutingThresholds:
     expensive_cost_ratio: float = 0.5
     min_decode_tokens: int = 16
     prefill_ratio: float = 8.0  # prompt_tokens > prefill_ratio * max_tokens: prefill heavy
-    long_context_fraction: float = 0.5  # of the context limit
 
 
 @dataclass(frozen=True)
 class RoutingContext:
     features: RequestFeatures
     loads: Mapping[str, PoolLoad]  # by pool: "plain", "colocated", "separate"
-    cost_models: Mapping[str, CostModel]  # by spec topology
+    cost_models: Mapping[str, CostModel]  # by spec topology, priced at the request's context
     acceptance: float  # estimate of a for the request's traffic class
     evidence: float = 0.0  # judged tokens behind it (AcceptanceTracker.evidence)
     context_limit: int = 2048
     k_max: int = 8
     thresholds: RoutingThresholds = field(default_factory=RoutingThresholds)
+    # The same pools priced at the calibration's short context: whether the context decided (empty:
+    # the context does not change the price)
+    short_context_models: Mapping[str, CostModel] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class RegimeEvidence:
     speedup: float
     speedup_batch1: float  # same pool, batch 1
     speedup_no_hop: float  # same pool and batch, hop overhead removed
+    speedup_short_context: float  # same pool and batch, at a short context
 
 
 def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
@@ -164,13 +167,14 @@ def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
     | regime                 | condition                                                   |
     |------------------------|-------------------------------------------------------------|
     | prefill_heavy          | max_tokens < min_decode_tokens or prompt > ratio*max_tokens |
+    | long_context           | it pays at this context and not at a short one, or the      |
+    |                        | other way round: the context decided                        |
     | favorable              | speedup > 1 + margin                                        |
     | orchestration_overhead | would pay without the topology's hops                       |
     | large_batch            | would pay at batch 1, not at this batch                     |
     | high_entropy           | a < low_acceptance, temperature > high_temperature          |
     | domain_mismatch        | a < low_acceptance at low temperature: draft disagrees      |
     | expensive_draft        | c >= a (Corollary 3.9) or c >= expensive_cost_ratio         |
-    | long_context           | prompt >= long_context_fraction of the context limit        |
     | no_gain                | none of the above: the numbers (a, c, speedup) say no       |
 
     ("unknown" is only the label of a request no speculative pool could price.)
@@ -182,6 +186,8 @@ def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
     low_a = ev.acceptance < th.low_acceptance and ev.evidence >= th.min_evidence
     if ev.max_tokens < th.min_decode_tokens or ev.prompt_tokens > th.prefill_ratio * ev.max_tokens:
         return "prefill_heavy"
+    if (ev.speedup > pays) != (ev.speedup_short_context > pays):
+        return "long_context"
     if ev.speedup > pays:
         return "favorable"
     if ev.speedup_no_hop > pays:
@@ -192,8 +198,6 @@ def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
         return "high_entropy" if ev.temperature > th.high_temperature else "domain_mismatch"
     if ev.cost_ratio >= ev.acceptance or ev.cost_ratio >= th.expensive_cost_ratio:
         return "expensive_draft"
-    if ev.prompt_tokens >= th.long_context_fraction * ev.context_limit:
-        return "long_context"
     return "no_gain"
 
 
@@ -220,6 +224,7 @@ def _regime(ctx: RoutingContext, best: _Option | None) -> str:
         return "unknown"
     f, cm, a = ctx.features, ctx.cost_models[best.topology], ctx.acceptance
     no_hop = CostModel(replace(cm.costs, hop_overhead_s={best.topology: 0.0}))
+    short = ctx.short_context_models.get(best.topology, cm)
     ev = RegimeEvidence(
         temperature=f.temperature,
         prompt_tokens=f.prompt_tokens,
@@ -231,6 +236,7 @@ def _regime(ctx: RoutingContext, best: _Option | None) -> str:
         speedup=best.choice.predicted_speedup,
         speedup_batch1=cm.best_k(1, a, ctx.k_max, best.topology).predicted_speedup,
         speedup_no_hop=no_hop.best_k(best.batch, a, ctx.k_max, best.topology).predicted_speedup,
+        speedup_short_context=short.best_k(best.batch, a, ctx.k_max, best.topology).predicted_speedup,
     )
     return classify_regime(ev, ctx.thresholds)
 

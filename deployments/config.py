@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec_core.costmodel import SEPARATE_HOP_S
+from specdec_core.kv_cache import KVWindow
 
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,6 +118,10 @@ class AppConfig(BaseModel):
     dtype: str | None = Field(None, description="Torch dtype name (default: bfloat16 on CUDA, float32 on CPU).")
     max_model_len: int = Field(512, ge=8, description="Context limit in tokens (prompt + output) per request.")
     max_batch_size: int = Field(32, ge=1, description="KV slots per replica: sequences one replica decodes at once.")
+    draft_kv_window: int | None = Field(None, ge=1, description="Bound the draft's KV cache to its attention sinks "
+                                        "and this many recent tokens (StreamingLLM; MagicDec's draft): its per-step "
+                                        "read and memory stop growing with the context. null: the whole context.")
+    draft_kv_sinks: int = Field(4, ge=0, description="With draft_kv_window: the first tokens the draft always sees.")
     trust_remote_code: bool = Field(False, description="Pass trust_remote_code to transformers when loading.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
 
@@ -236,6 +241,11 @@ class AppConfig(BaseModel):
             return self.channel_max_frame_bytes
         per_item = self.k_max * vocab_size * 4 + 5 * (self.max_model_len + self.k_max)
         return 2 * self.max_batch_size * per_item + (64 << 10)
+
+    @property
+    def draft_window(self) -> KVWindow | None:
+        """The draft's bounded cache (``draft_kv_window``), or None: the whole context."""
+        return KVWindow(self.draft_kv_sinks, self.draft_kv_window) if self.draft_kv_window else None
 
     @property
     def has_plain(self) -> bool:

@@ -43,6 +43,7 @@ class EngineReplica:
             max_batch_size=cfg.max_batch_size,
             max_model_len=cfg.max_model_len,
             trust_remote_code=cfg.trust_remote_code,
+            draft_kv_window=cfg.draft_window,
         )
         self._costs, self._costs_source, self._sampled_costs = None, None, None
         if speculative:
@@ -66,7 +67,7 @@ class EngineReplica:
             batches = tuple(b for b in DEFAULT_BATCHES if b <= cfg.max_batch_size)
             qs = tuple(q for q in DEFAULT_QS if q <= cfg.k_max + 1)
             grid = {"batches": batches, "qs": qs, "long_context_len": cfg.max_model_len // 2}
-            key = cache_key(cfg.target, cfg.draft, device, cfg.dtype, **grid)
+            key = cache_key(cfg.target, cfg.draft, device, cfg.dtype, draft_window=repr(cfg.draft_window), **grid)
             hit = cached(key) if cfg.calibration_cache else None
             if hit is not None:
                 (self._costs, sampled), self._costs_source = hit, f"cached:{device}"

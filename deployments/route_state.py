@@ -199,6 +199,7 @@ class RouteState:
             features=features,
             loads=dict(loads),
             cost_models=dict.fromkeys(spec, self.view.model_for(cls, features.prompt_tokens)),
+            short_context_models=dict.fromkeys(spec, self.view.model_for(cls)),
             acceptance=self.tracker.estimate(cls),
             evidence=self.tracker.evidence(cls),
             context_limit=self.context_limit,
@@ -274,6 +275,21 @@ class RouteState:
         return self.cost_model().plain_time_per_token(batch) / seconds_per_token
 
     # ---- the live map ----------------------------------------------------------------------------
+    def _context_axis(self, cls: TrafficClass, a: float) -> list[dict]:
+        """The class's regime along the context: at each context (powers of two up to the limit), the
+        best K at batch 1, its predicted speedup, and the batch from which it stops paying (None: never
+        in the calibrated range; 1: not even at batch 1)."""
+        axis = []
+        context = 128
+        while context < self.context_limit:
+            cm = self.view.model_for(cls, context)
+            best = cm.best_k(1, a, self.k_max)
+            axis.append({"context": context, "best_k_batch1": best.k,
+                         "predicted_speedup_batch1": best.predicted_speedup,
+                         "break_even_batch": cm.break_even_batch(a, best.k) if best.k > 0 else 1})
+            context *= 2
+        return axis
+
     def regimes(self, loads: Mapping[str, PoolLoad]) -> dict:
         """Per traffic class: acceptance estimate and evidence, cost ratio c at batch 1, break-even
         batch, and the choice for a batch-1 latency request of the class; plus the pool loads."""
@@ -299,6 +315,7 @@ class RouteState:
                 "best_k_batch1": best1.k,
                 "predicted_speedup_batch1": best1.predicted_speedup,
                 "break_even_batch": cm.break_even_batch(a, best1.k) if best1.k > 0 else 1,
+                "by_context": self._context_axis(cls, a),
                 "choice": None if choice is None else {
                     "pool": choice.pool, "topology": choice.topology, "k": choice.k, "regime": choice.regime,
                     "predicted_speedup": choice.predicted_speedup, "reason": choice.reason},

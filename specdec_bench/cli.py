@@ -34,6 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="*", help="cells whose name starts with one of these (e.g. mixed, 'prose b8')")
     p.set_defaults(func=_budget)
 
+    p = sub.add_parser("context", help="in-process batch x context grid: plain, fixed K with a full-KV and a "
+                                       "bounded (sinks + window) draft, and auto")
+    common(p, quick=False)
+    p.add_argument("--batches", type=int, nargs="*", help="batch sizes (default 1 8 16)")
+    p.add_argument("--contexts", type=int, nargs="*", help="prompt tokens per row (default 128 512 2000)")
+    p.set_defaults(func=_context)
+
     p = sub.add_parser("peers", help="this engine vs HF generate / assisted generation on the same pair")
     common(p)
     p.add_argument("--draft", default="draft", help="draft model name under --models")
@@ -188,6 +195,13 @@ def _budget(args) -> None:
 
     data = run_budget(args)
     _emit(args, "budget", data, budget_markdown(data))
+
+
+def _context(args) -> None:
+    from specdec_bench.context import context_markdown, run_context
+
+    data = run_context(args)
+    _emit(args, "context", data, context_markdown(data))
 
 
 def _peers(args) -> None:

@@ -130,7 +130,8 @@ def run_predict(args) -> dict:
             costs = roofline_costs(load_shape(target), load_shape(draft), device, BATCHES, range(1, K_MAX + 2),
                                    context_len=args.context, tp=tp)
             scenarios.append({"name": f"{device.name} {pair}", "device": device.name, "pair": pair, "tp": tp,
-                              **_regime_map(CostModel(costs), k), "topologies": _topologies(costs)})
+                              **_regime_map(CostModel(costs), k), "topologies": _topologies(costs),
+                              "by_context": _context_axis(load_shape(target), load_shape(draft), device, tp)})
     return {"batches": list(BATCHES), "acceptances": list(ACCEPTANCES), "context_len": args.context, "k": k,
             "scenarios": scenarios}
 
@@ -146,6 +147,28 @@ def _regime_map(model: CostModel, k: int) -> dict:
     return {"speedup": grid, "best_k": ks, "fixed_k_speedup": fixed,
             "draft_share": [round(_draft_share(model, b, k), 3) for b in BATCHES],
             "break_even_batch": break_even, "cost_ratio_b1": model.cost_ratio(1)}
+
+
+AXIS_CONTEXTS = (512, 2048, 8192, 32768)
+AXIS_ACCEPTANCES = (0.6, 0.8)
+DRAFT_WINDOW = 256  # a bounded draft's positions (sinks + window; MagicDec's StreamingLLM draft)
+
+
+def _context_axis(target: ModelShape, draft: ModelShape, device, tp: int) -> list[dict]:
+    """The break-even batch (the first where plain wins; None: never up to the largest) along the
+    context, with the full-KV draft and with a bounded one: at long contexts a step is the KV read
+    again and a verify nearly free at any batch (MagicDec), unless the draft's own read grows too."""
+    rows = []
+    for context in AXIS_CONTEXTS:
+        row = {"context": context}
+        for name, window in (("full", None), ("window", DRAFT_WINDOW)):
+            model = CostModel(roofline_costs(target, draft, device, BATCHES, range(1, K_MAX + 2), context_len=context,
+                                             tp=tp, draft_window=window))
+            for a in AXIS_ACCEPTANCES:
+                choices = [model.best_k(b, a, k_max=K_MAX) for b in BATCHES]
+                row[f"{name} a={a}"] = next((b for b, c in zip(BATCHES, choices) if c.k == 0), None)
+        rows.append(row)
+    return rows
 
 
 TOPOLOGY_BATCHES = (1, 8, 32)
@@ -197,6 +220,12 @@ def predict_markdown(data: dict) -> str:
                   f"{r['separate']:.2f} (K={r['separate_k']}) | {r['separate_overlapped']:.2f} (K={r['overlapped_k']}"
                   f"{', overlap' if r['overlap_pays'] else ''}) | "
                   f"{r['acceptance'] ** r['overlapped_k'] if r['overlap_pays'] else 0:.0%} |" for r in s["topologies"]]
+        columns = [c for c in s["by_context"][0] if c != "context"]
+        lines += ["", (f"Break-even batch by context (first batch where plain wins; - : none up to {batches[-1]}; "
+                       f"window: a draft bounded to {DRAFT_WINDOW} positions):"), "",
+                  "| context | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        lines += [f"| {r['context']} | " + " | ".join("-" if r[c] is None else str(r[c]) for c in columns) + " |"
+                  for r in s["by_context"]]
         lines += [""]
     return "\n".join(lines) + "\n"
 

@@ -11,6 +11,7 @@ from specdec_core.adaptive import AdaptiveK
 from specdec_core.async_engine import AsyncEngine
 from specdec_core.costmodel import CostModel, StepCosts
 from specdec_core.engine import Engine
+from specdec_core.kv_cache import KVWindow
 from specdec_core.loading import check_same_tokenizer
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposal, ProposalRequest
 from specdec_core.request import RequestOutput, RequestState, SamplingParams
@@ -26,6 +27,7 @@ __all__ = [
     "CostModel",
     "DraftModelProposer",
     "Engine",
+    "KVWindow",
     "ModelRunner",
     "NgramProposer",
     "Proposal",

@@ -4,7 +4,7 @@ Vocabulary (``costmodel.py``'s): b is the batch, K the draft tokens a step propo
 verify width. t_T(b, q) is a step's verify phase (target forward + sampling + bookkeeping), t_D(b)
 one draft token's share of its propose phase, and the draft's step cost the rest of that phase
 (``StepCosts.draft_step_s``: its first forward also feeds the last verify's tokens); a context
-slope is the extra seconds per cached token per row (``StepCosts.at_context``).
+slope is the extra seconds per cached token per row, per batch and verify width (``StepCosts.at_context``).
 
 ``calibrate`` drives an idle engine through fixed-K steps on a synthetic prompt; ``cost_grid``
 (pure) assembles the timings into a ``StepCosts``, ``fit_draft_cost`` splits the propose phase
@@ -38,8 +38,8 @@ def calibrate(
     t_D(b) the propose phase per draft token. The framework overhead is thereby inside the costs,
     as it is inside real steps. With ``temperature`` > 0 the steps take the sampling path (draft
     distributions, the rejection sampler), which costs more per step than greedy argmaxes. With
-    ``long_context_len`` the batch-1 steps are timed again at that context, which gives the
-    per-token context slopes. The engine must be idle.
+    ``long_context_len`` every batch's steps are timed again at that context (the narrowest and the
+    widest verify), which gives the per-token context slopes. The engine must be idle.
     """
     if engine.has_work():
         raise RuntimeError("calibrate needs an idle engine")
@@ -99,19 +99,26 @@ def _one_extra(engine: Engine, costs: StepCosts, context_len: int, steps: int, t
 def _context_slopes(
     engine: Engine, costs: StepCosts, qs, long_context_len: int, steps: int, temperature: float
 ) -> StepCosts:
-    """``costs`` plus the per-token context slopes: the batch-1 steps timed again at ``long_context_len``."""
+    """``costs`` plus the per-token context slopes (``StepCosts.context_slope_s``): every batch's steps
+    timed again at ``long_context_len`` at the narrowest and widest verify, the widths between on the
+    line through them (attention over a long context costs a + b q in the verify width q: linear on
+    this CPU, where it is compute bound, and flat where the read dominates)."""
     extra = long_context_len - costs.context_len
+    ends = (qs[0], qs[-1])
     slopes, draft_slopes = [], []
-    for q in qs:
-        verify, propose = _time_steps(engine, 1, q - 1, long_context_len, steps, temperature)
-        slopes.append(max(0.0, verify - costs.target_time(1, q)) / extra)
-        if q > 1 and engine.proposer is not None:
-            per_token = (propose - costs.draft_step_time(1)) / (q - 1)
-            draft_slopes.append(max(0.0, per_token - costs.draft_time(1)) / extra)
-    return dataclasses.replace(
-        costs, context_slope_s=tuple(slopes),
-        draft_context_slope_s=statistics.median(draft_slopes) if draft_slopes else 0.0,
-    )
+    for b in costs.batches:
+        at = {}
+        draft = []
+        for q in ends:
+            verify, propose = _time_steps(engine, b, q - 1, long_context_len, steps, temperature)
+            at[q] = max(0.0, verify - costs.target_time(b, q)) / (b * extra)
+            if q > 1 and engine.proposer is not None:
+                per_token = (propose - costs.draft_step_time(b)) / (q - 1)
+                draft.append(max(0.0, per_token - costs.draft_time(b)) / (b * extra))
+        lo, hi = ends
+        slopes.append(tuple(at[lo] + (at[hi] - at[lo]) * (q - lo) / (hi - lo) if hi > lo else at[lo] for q in qs))
+        draft_slopes.append(draft[0] if draft else 0.0)
+    return dataclasses.replace(costs, context_slope_s=tuple(slopes), draft_context_slope_s=tuple(draft_slopes))
 
 
 def _time_steps(engine: Engine, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0,

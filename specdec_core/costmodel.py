@@ -101,12 +101,14 @@ class StepCosts:
     # first proposal (the prefill-heavy regime: short outputs cannot amortise it).
     draft_prefill_s_per_token: float = 0.0
     # The grid is measured at context_len cached tokens per row. Beyond it each row's attention
-    # costs context_slope_s[j] more seconds per context token at qs[j] new tokens (and the draft
-    # draft_context_slope_s): the long-context regime, where a K+1-token verify reads the whole
-    # context K+1 times on a CPU. Measured at batch 1 and scaled by the rows of a batch.
+    # costs context_slope_s[i][j] more seconds per context token at batches[i], qs[j] new tokens (the
+    # draft draft_context_slope_s[i]; a bounded draft's is ~0 past its window): the long-context
+    # regime. Per batch, since a row's share of the read is not the same at every batch (here batch 8
+    # at context 2000 read its KV ~2x faster per row than batch 1). A flat per-q tuple (a float for
+    # the draft) means the same slope at every batch.
     context_len: int = 64
-    context_slope_s: tuple[float, ...] = ()
-    draft_context_slope_s: float = 0.0
+    context_slope_s: tuple = ()
+    draft_context_slope_s: tuple | float = ()
     draft_step_s: tuple[float, ...] = ()
     overlapped: tuple[str, ...] = ("separate",)
     # One ragged verify per batch: one row at two tokens, the rest at one (empty: not measured). A
@@ -123,8 +125,19 @@ class StepCosts:
             raise ValueError("draft_s must have one entry per batch")
         if self.draft_step_s and len(self.draft_step_s) != len(self.batches):
             raise ValueError("draft_step_s must have one entry per batch")
-        if self.context_slope_s and len(self.context_slope_s) != len(self.qs):
-            raise ValueError("context_slope_s must have one entry per q")
+        slopes = self.context_slope_s
+        if slopes and not isinstance(slopes[0], (tuple, list)):  # per q, the same at every batch
+            slopes = (tuple(slopes),) * len(self.batches)
+        object.__setattr__(self, "context_slope_s", tuple(tuple(float(x) for x in row) for row in slopes))
+        draft = self.draft_context_slope_s
+        if isinstance(draft, (int, float)):
+            draft = (float(draft),) * len(self.batches) if draft else ()
+        object.__setattr__(self, "draft_context_slope_s", tuple(float(x) for x in draft))
+        if self.context_slope_s and (len(self.context_slope_s) != len(self.batches)
+                                     or any(len(r) != len(self.qs) for r in self.context_slope_s)):
+            raise ValueError("context_slope_s must be len(batches) x len(qs) (or one entry per q)")
+        if self.draft_context_slope_s and len(self.draft_context_slope_s) != len(self.batches):
+            raise ValueError("draft_context_slope_s must have one entry per batch (or be one number)")
         if self.one_extra_s and len(self.one_extra_s) != len(self.batches):
             raise ValueError("one_extra_s must have one entry per batch")
 
@@ -133,15 +146,15 @@ class StepCosts:
         extra = context_len - self.context_len
         if extra <= 0 or not (self.context_slope_s or self.draft_context_slope_s):
             return self
-        slopes = self.context_slope_s or (0.0,) * len(self.qs)
+        slopes = self.context_slope_s or ((0.0,) * len(self.qs),) * len(self.batches)
+        draft = self.draft_context_slope_s or (0.0,) * len(self.batches)
         return replace(
             self,
-            target_s=tuple(tuple(t + b * extra * s for t, s in zip(row, slopes))
-                           for b, row in zip(self.batches, self.target_s)),
-            draft_s=tuple(t + b * extra * self.draft_context_slope_s
-                          for b, t in zip(self.batches, self.draft_s)),
-            one_extra_s=tuple(t + b * extra * _interp(self.qs, slopes, 1.0 + 1.0 / b)
-                              for b, t in zip(self.batches, self.one_extra_s)),
+            target_s=tuple(tuple(t + b * extra * s for t, s in zip(row, slope_row))
+                           for b, row, slope_row in zip(self.batches, self.target_s, slopes)),
+            draft_s=tuple(t + b * extra * s for b, t, s in zip(self.batches, self.draft_s, draft)),
+            one_extra_s=tuple(t + b * extra * _interp(self.qs, slope_row, 1.0 + 1.0 / b)
+                              for b, t, slope_row in zip(self.batches, self.one_extra_s, slopes)),
             context_len=context_len,
         )
 
@@ -183,8 +196,8 @@ class StepCosts:
             "source": self.source,
             "draft_prefill_s_per_token": self.draft_prefill_s_per_token,
             "context_len": self.context_len,
-            "context_slope_s": list(self.context_slope_s),
-            "draft_context_slope_s": self.draft_context_slope_s,
+            "context_slope_s": [list(r) for r in self.context_slope_s],
+            "draft_context_slope_s": list(self.draft_context_slope_s),
             "draft_step_s": list(self.draft_step_s),
             "overlapped": list(self.overlapped),
             "one_extra_s": list(self.one_extra_s),
@@ -201,8 +214,9 @@ class StepCosts:
             source=str(d.get("source", "measured")),
             draft_prefill_s_per_token=float(d.get("draft_prefill_s_per_token", 0.0)),
             context_len=int(d.get("context_len", 64)),
-            context_slope_s=tuple(float(s) for s in d.get("context_slope_s", ())),
-            draft_context_slope_s=float(d.get("draft_context_slope_s", 0.0)),
+            context_slope_s=tuple(tuple(r) if isinstance(r, list) else r for r in d.get("context_slope_s", ())),
+            draft_context_slope_s=(tuple(d["draft_context_slope_s"]) if isinstance(d.get("draft_context_slope_s"), list)
+                                   else float(d.get("draft_context_slope_s", 0.0))),
             draft_step_s=tuple(float(t) for t in d.get("draft_step_s", ())),
             overlapped=tuple(d.get("overlapped", ("separate",))),
             one_extra_s=tuple(float(t) for t in d.get("one_extra_s", ())),

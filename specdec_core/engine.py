@@ -26,6 +26,7 @@ from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import StepCosts
 from specdec_core.executor import LocalExecutor
+from specdec_core.kv_cache import KVWindow
 from specdec_core.loading import load_models
 from specdec_core.proposers import Proposer
 from specdec_core.request import RequestOutput, SamplingParams, eos_token_ids, resumed_seed
@@ -83,13 +84,14 @@ class Engine:
     def from_pretrained(
         cls, target: str, draft: str | None = None, proposer: str | None = None, *, device: str | None = None,
         dtype: str | torch.dtype | None = None, max_batch_size: int = 32, max_model_len: int = 1024,
-        trust_remote_code: bool = False, ngram_max_n: int = 4,
+        trust_remote_code: bool = False, ngram_max_n: int = 4, draft_kv_window: KVWindow | None = None,
     ) -> Engine:
         """Load a target and its proposer from local paths or hub names (``loading.load_models``):
         ``proposer`` is "draft" (needs ``draft``) or "ngram", by default "draft" when a draft is given."""
         target_runner, tokenizer, prop = load_models(
             target, draft, proposer, device=device, dtype=dtype, max_slots=max_batch_size,
             max_len=max_model_len, trust_remote_code=trust_remote_code, ngram_max_n=ngram_max_n,
+            draft_kv_window=draft_kv_window,
         )
         return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size)
 

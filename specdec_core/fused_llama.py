@@ -120,26 +120,23 @@ class PackedRows:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
-    """Attention of one new token per row, reading each row's K and V as one stream.
+    """Attention of one new token per row: per (row, head), two matrix-vector products over its block.
 
-    q: [B, heads, 1, D]; keys, values: [B, kv_heads, T, D] (transposed views of the position-major
-    cache, whose [T, kv_heads, D] block per row is contiguous); mask: [B, 1, 1, T] bool or None.
-    Decode attention is a read of the cache, cold from DRAM at any batch worth batching: SDPA's CPU
-    kernel walks it head by head and read 6.4 MB of K and V per layer (batch 16, 87 tokens) at ~7 GB/s,
-    about as long as the layer's weights took; two broadcast products over the row blocks, at the
-    bandwidth of a plain sum, take half that (1.15 -> 0.52 ms; 2.1x from batch 8 on, 1.3x at 4,
-    1.1x at 1). A verify (several new tokens per row) stays with SDPA, which wins there.
+    q: [B, heads, 1, D]; keys, values: [B, kv_heads, T, D] (views of the head-major cache, each
+    [T, D] block contiguous); mask: [B, 1, 1, T] bool or None.
+    Decode attention is a read of the cache, cold from DRAM at any batch worth batching, and the
+    BLAS matrix-vector product streams each block at ~17 GB/s where SDPA's CPU kernel reached
+    ~5-12 and broadcast products over a position-major cache 1.5-6 (8 layers, batch 8: 3.2 against
+    10.8 ms at context 128, 35 against 401 at 2000; docs/ARCHITECTURE.md, Facts: "Decode attention").
+    A query group of GQA shares its block: the products run [group, D] x [D, T].
     """
     batch, heads, _, dim = q.shape
-    k, v = keys.transpose(1, 2), values.transpose(1, 2)  # [B, T, kv_heads, D]
-    kv_heads = k.shape[2]
-    group = heads // kv_heads
-    qg = q.reshape(batch, 1, kv_heads, group, dim)  # [B, 1, kv, g, D]
-    scores = (k.unsqueeze(3) * qg).sum(-1) * scale  # [B, T, kv, g]
+    kv_heads = keys.shape[1]
+    qg = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, kv, g, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, kv, g, T]
     if mask is not None:
-        scores = scores.masked_fill(~mask.reshape(batch, -1, 1, 1), float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    out = (v.unsqueeze(3) * probs.unsqueeze(-1)).sum(1)  # [B, kv, g, D]
+        scores = scores.masked_fill(~mask.reshape(batch, 1, 1, -1), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv, g, D]
     return out.reshape(batch, heads, 1, dim)
 
 

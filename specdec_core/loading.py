@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec_core.kv_cache import KVWindow
 from specdec_core.proposers import DraftModelProposer, NgramProposer, Proposer
 from specdec_core.runner import ModelRunner, load_tokenizer
 
@@ -27,9 +28,11 @@ def load_models(
     max_len: int = 1024,
     trust_remote_code: bool = False,
     ngram_max_n: int = 4,
+    draft_kv_window: KVWindow | None = None,
 ) -> tuple[ModelRunner, object, Proposer]:
     """(target runner, target tokenizer, proposer). ``proposer`` is "draft" (needs ``draft``) or
-    "ngram"; by default "draft" when a draft is given, else "ngram", so every engine can speculate."""
+    "ngram"; by default "draft" when a draft is given, else "ngram", so every engine can speculate.
+    ``draft_kv_window`` bounds the draft's cache (attention sinks + a recent window, ``KVWindow``)."""
     proposer = proposer or ("draft" if draft else "ngram")
     if proposer not in PROPOSERS:
         raise ValueError(f"proposer must be 'draft' or 'ngram', got {proposer!r}")
@@ -42,7 +45,7 @@ def load_models(
     if proposer == "ngram":
         return target_runner, tokenizer, NgramProposer(max_n=ngram_max_n)
     check_same_tokenizer(tokenizer, load_tokenizer(draft, trust_remote_code), target, draft)
-    draft_runner = ModelRunner.from_pretrained(draft, **runner_kw)
+    draft_runner = ModelRunner.from_pretrained(draft, **runner_kw, kv_window=draft_kv_window)
     if draft_runner.vocab_size != target_runner.vocab_size:
         raise ValueError(
             f"draft vocab size {draft_runner.vocab_size} != target vocab size {target_runner.vocab_size}"

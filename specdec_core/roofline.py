@@ -198,13 +198,17 @@ def roofline_costs(
     tp: int = 1,
     dtype: str | None = None,
     engine: EngineCosts = VLLM,
+    draft_window: int | None = None,
 ) -> StepCosts:
     """A StepCosts predicted for `device`, so CostModel answers for it.
 
     target_s: the target forward plus the engine's per-step work (every step, plain or
     speculative, has exactly one); draft_s: one draft pass, the proposer's per-pass work included.
     The context slopes carry the KV reads and attention FLOPs, so `at_context` reprices the grid.
-    The draft runs with the target's tensor parallelism (vLLM requires it of draft models)."""
+    The draft runs with the target's tensor parallelism (vLLM requires it of draft models).
+    ``draft_window``: the draft's cache bounded to that many positions (``KVWindow``): it reads at
+    most that context, and gains nothing from a longer one."""
+    draft_context = min(context_len, draft_window) if draft_window else context_len
 
     def target_s(b: int, q: int) -> float:
         return forward_time(target, device, b * q, b, context_len, tp, dtype, engine) + engine.step_overhead(b)
@@ -212,7 +216,7 @@ def roofline_costs(
     def draft_s(b: int) -> float:
         if draft is None:
             return 0.0
-        return forward_time(draft, device, b, b, context_len, tp, dtype, engine) + engine.draft_pass_s
+        return forward_time(draft, device, b, b, draft_context, tp, dtype, engine) + engine.draft_pass_s
 
     return StepCosts(
         batches=tuple(batches),
@@ -223,7 +227,7 @@ def roofline_costs(
         source=f"roofline:{device.name}" + (f" tp={tp}" if tp > 1 else ""),
         context_len=context_len,
         context_slope_s=tuple(_context_slope(target, device, q, tp) for q in qs),
-        draft_context_slope_s=_context_slope(draft, device, 1, tp) if draft else 0.0,
+        draft_context_slope_s=_context_slope(draft, device, 1, tp) if draft and not draft_window else 0.0,
     )
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdec_core.fused_llama import FusedLlamaLayers, PackedRows, can_fuse, share_weight
-from specdec_core.kv_cache import SlotKVCache, StepLayout
+from specdec_core.kv_cache import KVWindow, SlotKVCache, StepLayout
 from specdec_core.linear import Projection
 
 # Decoder-only families whose base model is embed -> rotary -> layers(cache=...) -> norm -> lm_head,
@@ -93,7 +93,8 @@ def unsupported_features(model: PreTrainedModel) -> list[str]:
 class ModelRunner:
     """Batched, ragged forward steps for one model over its own slot KV cache."""
 
-    def __init__(self, model: PreTrainedModel, max_slots: int = 32, max_len: int = 1024, name: str = "model"):
+    def __init__(self, model: PreTrainedModel, max_slots: int = 32, max_len: int = 1024, name: str = "model",
+                 kv_window: KVWindow | None = None):
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -138,8 +139,11 @@ class ModelRunner:
         positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
         cos, sin = self._rotary(torch.empty(0, dtype=self.dtype, device=self.device), positions)
         self._rope_table = (cos[0], sin[0])  # each [max_len, head_dim]
+        # A bounded cache (a draft's, ``KVWindow``) holds its columns whatever the context; positions
+        # still run to max_len.
+        columns = min(kv_window.columns, self.max_len) if kv_window is not None else self.max_len
         self.cache = SlotKVCache(
-            cfg.num_hidden_layers, max_slots, kv_heads, head_dim, self.max_len, self.dtype, self.device
+            cfg.num_hidden_layers, max_slots, kv_heads, head_dim, columns, self.dtype, self.device, window=kv_window
         )
         self.vocab_size = model.lm_head.out_features
         self.num_layers = cfg.num_hidden_layers
@@ -157,6 +161,7 @@ class ModelRunner:
         max_slots: int = 32,
         max_len: int = 1024,
         trust_remote_code: bool = False,
+        kv_window: KVWindow | None = None,
     ) -> ModelRunner:
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
@@ -165,7 +170,7 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         ).to(device)
-        return cls(model, max_slots=max_slots, max_len=max_len, name=str(path))
+        return cls(model, max_slots=max_slots, max_len=max_len, name=str(path), kv_window=kv_window)
 
     # ---- slots -------------------------------------------------------------------------------
 
@@ -182,6 +187,7 @@ class ModelRunner:
             raise RuntimeError(f"{self.name}: all {self.cache.num_slots} KV slots are in use")
         slot = heapq.heappop(self._free)
         self._lengths[slot] = 0
+        self.cache.clear(slot)
         return slot
 
     def free(self, slot: int) -> None:
@@ -211,13 +217,20 @@ class ModelRunner:
         """Append ``new_tokens[b]`` to sequence ``slots[b]`` and return logits at its last ``num_logits[b]``
         positions (right-padded by repeating the last position)."""
         batch = len(slots)
-        q = [len(t) for t in new_tokens]
-        if batch == 0 or min(q) == 0:
+        fed = [len(t) for t in new_tokens]  # tokens each row appends (its length grows by this)
+        if batch == 0 or min(fed) == 0:
             raise ValueError("every row of a forward must feed at least one token")
         lengths = [self._lengths[s] for s in slots]
-        for slot, length, n in zip(slots, lengths, q):
+        for slot, length, n in zip(slots, lengths, fed):
             if length + n > self.max_len:
                 raise ValueError(f"{self.name}: slot {slot} would exceed max_len {self.max_len}")
+        window = self.cache.window
+        # [B][n_b]: the positions each row computes: all it feeds, or a bounded cache's kept ones.
+        rows = [window.kept(length, n) if window is not None else range(length, length + n)
+                for length, n in zip(lengths, fed)]
+        if window is not None:
+            new_tokens = [[toks[p - length] for p in row] for toks, row, length in zip(new_tokens, rows, lengths)]
+        q = [len(row) for row in rows]
         q_max = max(q)
         dev = self.device
         # Rows of different widths (a verify at each row's own K, prefills beside decodes) run packed
@@ -226,35 +239,42 @@ class ModelRunner:
         # take a [B, Q] batch: padded.
         packed = self._fused is not None and min(q) != q_max
         row_len = self.cache.max_len + 1  # a slot's rows in the flat cache, trash column included
+        column = window.column if window is not None else int
         # Index data is built in Python and sent as one tensor each: a forward runs in ~0.5-2 ms
         # here, and every small tensor op it saves is ~2 us.
         # [B][Q]: padding repeats its row's last position, so its query sees a non-empty sliding window
         # and looks up a RoPE row inside the table.
-        positions = [[length + min(c, n - 1) for c in range(q_max)] for length, n in zip(lengths, q)]
+        positions = [[row[min(c, len(row) - 1)] for c in range(q_max)] for row in rows]
         if packed:
-            write_rows = [slot * row_len + length + c for slot, length, n in zip(slots, lengths, q) for c in range(n)]
+            write_rows = [slot * row_len + column(p) for slot, row in zip(slots, rows) for p in row]
             ids = torch.tensor([[t for toks in new_tokens for t in toks]], device=dev)  # [1, T]
-            token_positions = torch.tensor([[length + c for length, n in zip(lengths, q) for c in range(n)]],
-                                           device=dev)  # [1, T]
+            token_positions = torch.tensor([[p for row in rows for p in row]], device=dev)  # [1, T]
             # [T]: each real token's place in the padded [B * Q] layout attention runs in
             padded_index = torch.tensor([b * q_max + c for b, n in enumerate(q) for c in range(n)], device=dev)
         else:
             write_rows = [
-                slot * row_len + (pos if c < n else self.cache.max_len)  # padding writes to the trash column
+                slot * row_len + (column(pos) if c < n else self.cache.max_len)  # padding: the trash column
                 for slot, n, row in zip(slots, q, positions) for c, pos in enumerate(row)
             ]
             ids = torch.tensor([list(toks) + [0] * (q_max - len(toks)) for toks in new_tokens], device=dev)  # [B, Q]
         positions_t = torch.tensor(positions, device=dev)  # [B, Q]
-        kv_len = max(length + n for length, n in zip(lengths, q))
-        masks = self._layer_masks(positions_t, kv_len, ragged=q_max > 1 or min(lengths) != max(lengths))
+        kv_len = max(length + n for length, n in zip(lengths, fed))
+        slots_t = torch.tensor(slots, device=dev)
+        if window is not None:  # every column it holds, once the ring has turned
+            kv_len = min(kv_len, self.cache.max_len)
+            self.cache.record([slot * row_len + column(p) for slot, row in zip(slots, rows) for p in row],
+                              [p for row in rows for p in row])
+            masks = [self.cache.window_mask(slots_t, positions_t, kv_len)] * self.num_layers
+        else:
+            masks = self._layer_masks(positions_t, kv_len, ragged=q_max > 1 or min(lengths) != max(lengths))
         start = slots[0]
         contiguous = slots == list(range(start, start + batch))
-        self.cache.layout = StepLayout(
-            slots=torch.tensor(slots, device=dev),
+        self.cache.begin(StepLayout(
+            slots=slots_t,
             write_rows=torch.tensor(write_rows, device=dev),
             kv_len=kv_len,
             contiguous_from=start if contiguous else None,
-        )
+        ))
         # The fused stack's embedding is a plain lookup: skip the module call.
         hidden = F.embedding(ids, self._embed.weight) if self._fused is not None else self._embed(ids)  # [B, Q, H]
         if self._embedding_multiplier != 1.0:
@@ -274,8 +294,8 @@ class ModelRunner:
                 )
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]
-        self.cache.layout = None
-        for slot, n in zip(slots, q):
+        self.cache.end()
+        for slot, n in zip(slots, fed):
             self._lengths[slot] += n
         if packed:
             return self._packed_logits(hidden[0], q, num_logits)

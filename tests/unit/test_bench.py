@@ -69,6 +69,22 @@ def test_budget_sweep_writes_every_mode_measured_and_predicted(family, tmp_path)
     assert "| prose b2 |" in (tmp_path / "budget.md").read_text()
 
 
+def test_context_grid_writes_every_mode_measured_and_predicted(family, tmp_path):
+    main(["context", "--models", str(family), "--out", str(tmp_path), "--threads", "1", "--reps", "1",
+          "--batches", "1", "2", "--contexts", "16", "48"])
+    data = json.loads((tmp_path / "context.json").read_text())
+    assert [(c["batch"], c["context"]) for c in data["cells"]] == [(1, 16), (1, 48), (2, 16), (2, 48)]
+    assert set(data["costs"]) == {"full", "window"}
+    for cell in data["cells"]:
+        modes = {"plain", "k2", "k4", "auto", "k2w", "k4w", "autow"}
+        assert set(cell["tok_s"]) == set(cell["predicted"]) == set(cell["acceptance"]) == modes
+        assert all(v > 0 for v in cell["tok_s"].values())
+        assert cell["speedup"]["plain"] == pytest.approx(1.0) == cell["predicted"]["plain"]
+        assert cell["acceptance"]["plain"] == 0 and 0 <= cell["acceptance"]["k4w"] <= 1
+        assert cell["catch_up_s"]["k4"] > cell["catch_up_s"]["plain"]  # the draft prefilled the prompts
+    assert "| 2 | 48 |" in (tmp_path / "context.md").read_text()
+
+
 def test_predict_writes_regime_map(tmp_path):
     main(["predict", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "predict.json").read_text())

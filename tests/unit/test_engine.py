@@ -81,6 +81,20 @@ def test_mixed_batch_of_plain_and_speculative(engine, plain_reference):
     assert outs[0].stats.proposed == 0 and outs[1].stats.proposed > 0
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_greedy_with_a_bounded_draft_cache_equals_plain(tiny_models, plain_reference, sinks):
+    """The target as its own draft over a ring of 6 + 2 columns (prompts and outputs pass it many times
+    over): the window makes the draft disagree with the target, and the output is still plain's."""
+    from specdec_core import KVWindow
+
+    engine = Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_batch_size=8, max_model_len=256,
+                                    draft_kv_window=KVWindow(sinks=sinks, window=6, slack=2))
+    assert engine.proposer.runner.cache.keys[0].shape[2] == sinks + 6 + 2 + 1
+    outs = engine.generate(PROMPTS, max_new_tokens=24, num_speculative_tokens=4)
+    assert [o.token_ids for o in outs] == plain_reference
+    assert 0 < sum(o.stats.accepted for o in outs) < sum(o.stats.proposed for o in outs)
+
+
 def test_budgeted_verification_is_lossless_with_a_k_per_row(tiny_models, plain_reference):
     """Budgeted auto (one plan per step, each row at its own K, verified ragged) on costs where
     speculation pays, rows capped at different K, the target as its own draft (every draft token

@@ -88,11 +88,37 @@ def test_prefill_heavy_goes_plain_even_when_favorable():
     assert (d.pool, d.regime) == ("plain", "prefill_heavy")
 
 
-def test_long_context_and_no_gain():
+def test_no_gain():
     # a = 0.5, c = 0.45: pays nowhere, acceptance not low, draft not expensive
-    assert route(ctx(a=0.5, c=0.45, prompt_tokens=1500)).regime == "long_context"
     d = route(ctx(a=0.5, c=0.45))
     assert d.regime == "no_gain" and "a=0.50" in d.reason and "c=0.45" in d.reason, d
+
+
+def context_ctx(slopes: tuple[float, float], prompt_tokens: int, active: int) -> RoutingContext:
+    """``model()``'s grid with per-row context slopes (seconds per cached token at q = 1 and 9),
+    priced at the prompt's context and at the calibration's (64)."""
+    costs = StepCosts(batches=(1, 64), qs=(1, 9), target_s=((1.0, 1.2), (2.0, 18.0)), draft_s=(0.1, 0.2),
+                      hop_overhead_s={"colocated": 0.0, "separate": 0.2}, context_len=64, context_slope_s=slopes)
+    loads = {"plain": PoolLoad(), "colocated": PoolLoad(active=active)}
+    return RoutingContext(
+        features=RequestFeatures(temperature=0.0, max_tokens=512, prompt_tokens=prompt_tokens),
+        loads=loads, cost_models={"colocated": CostModel(costs.at_context(prompt_tokens))},
+        short_context_models={"colocated": CostModel(costs)}, acceptance=0.8, evidence=1000.0, context_limit=4096)
+
+
+def test_long_context_decides_either_way():
+    """Where the KV read dominates a step (a slope the same at every verify width: a GPU's), a long
+    context makes a batch-64 verify nearly free: the batch that goes plain at a short context goes
+    speculative at a long one. Where attention is compute bound (a slope linear in the width: this
+    CPU's), a long context makes the batch-1 verify dear: speculative short, plain long. The label
+    names the context both times."""
+    read_bound, compute_bound = (1e-4, 1e-4), (1e-3, 9e-3)
+    assert route(context_ctx(read_bound, 100, active=63)).regime == "large_batch"
+    d = route(context_ctx(read_bound, 3000, active=63))
+    assert (d.pool, d.regime) == ("colocated", "long_context") and d.k > 0
+    assert route(context_ctx(compute_bound, 100, active=0)).regime == "favorable"
+    d = route(context_ctx(compute_bound, 3000, active=0))
+    assert (d.pool, d.regime) == ("plain", "long_context")
 
 
 def test_throughput_objective_goes_plain():
@@ -157,17 +183,19 @@ def test_unavailable_topology_requested():
 def test_classify_regime_table():
     th = RoutingThresholds()
     base = dict(temperature=0.0, prompt_tokens=64, max_tokens=256, context_limit=2048, acceptance=0.8,
-                evidence=1000.0, cost_ratio=0.1, speedup=0.9, speedup_batch1=0.9, speedup_no_hop=0.9)
+                evidence=1000.0, cost_ratio=0.1, speedup=0.9, speedup_batch1=0.9, speedup_no_hop=0.9,
+                speedup_short_context=0.9)
     cases = [
         ({"max_tokens": 4, "speedup": 2.0}, "prefill_heavy"),
-        ({"speedup": 1.5}, "favorable"),
+        ({"speedup": 1.5}, "long_context"),  # pays only at this context
+        ({"speedup_short_context": 1.5, "speedup_batch1": 1.5}, "long_context"),  # pays only at a short one
+        ({"speedup": 1.5, "speedup_short_context": 1.5}, "favorable"),
         ({"speedup_no_hop": 1.5}, "orchestration_overhead"),
         ({"speedup_batch1": 1.5}, "large_batch"),
         ({"acceptance": 0.2, "temperature": 1.0}, "high_entropy"),
         ({"acceptance": 0.2}, "domain_mismatch"),
         ({"cost_ratio": 0.85}, "expensive_draft"),
         ({"acceptance": 0.55, "cost_ratio": 0.6}, "expensive_draft"),
-        ({"prompt_tokens": 1200}, "long_context"),
         ({}, "no_gain"),
     ]
     for change, regime in cases:

@@ -61,17 +61,17 @@ def test_ragged_batched_forward_matches_hf(runner_and_reference, prompts, steps)
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 6), (8, 2)])
 @pytest.mark.parametrize("masked", [True, False])
-def test_decode_attention_is_sdpa_on_the_position_major_cache(heads, kv_heads, masked):
-    """One new token per row: the streaming formulation gives SDPA's answer (GQA too, with a mask or
-    none) on the cache's transposed views."""
+def test_decode_attention_is_sdpa_on_the_head_major_cache(heads, kv_heads, masked):
+    """One new token per row: the matrix-vector formulation gives SDPA's answer (GQA too, with a mask
+    or none) on the cache's strided views."""
     import torch.nn.functional as F
 
     from specdec_core.fused_llama import decode_attention
 
     gen = torch.Generator().manual_seed(0)
     batch, length, dim = 5, 37, 16
-    cache_k, cache_v = (torch.randn(8, 64, kv_heads, dim, generator=gen) for _ in range(2))  # [slots, max_len, kv, D]
-    keys, values = cache_k[:batch, :length].transpose(1, 2), cache_v[:batch, :length].transpose(1, 2)
+    cache_k, cache_v = (torch.randn(8, kv_heads, 64, dim, generator=gen) for _ in range(2))  # [slots, kv, max_len, D]
+    keys, values = cache_k[:batch, :, :length], cache_v[:batch, :, :length]
     q = torch.randn(batch, 1, heads, dim, generator=gen).transpose(1, 2)  # [B, heads, 1, D]
     mask = None
     if masked:
@@ -79,3 +79,65 @@ def test_decode_attention_is_sdpa_on_the_position_major_cache(heads, kv_heads, m
     ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=dim ** -0.5,
                                          enable_gqa=heads != kv_heads)
     torch.testing.assert_close(decode_attention(q, keys, values, mask, dim ** -0.5), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def sliding_mistral(tmp_path_factory):
+    """A random Mistral whose every layer attends to the last WINDOW positions (transformers' mask)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path = str(tmp_path_factory.mktemp("mistral"))
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=WINDOW)
+    MistralForCausalLM(config).save_pretrained(path)
+    return path
+
+
+WINDOW = 12
+
+
+def test_bounded_cache_attends_like_a_sliding_window(sliding_mistral):
+    """A ring of WINDOW + 3 columns turned many times, fed 1-4 tokens a forward with rollbacks between:
+    every logit equals the full cache's under transformers' own sliding-window mask (sinks 0)."""
+    from specdec_core.kv_cache import KVWindow
+
+    full = ModelRunner.from_pretrained(sliding_mistral, device="cpu", max_slots=2, max_len=200)
+    ring = ModelRunner.from_pretrained(sliding_mistral, device="cpu", max_slots=2, max_len=200,
+                                       kv_window=KVWindow(sinks=0, window=WINDOW, slack=3))
+    assert ring.cache.keys[0].shape[2] == WINDOW + 3 + 1  # the ring and the trash column: not max_len
+    gen = torch.Generator().manual_seed(1)
+    slots = [(full.allocate(), ring.allocate()) for _ in range(2)]
+    # Prompts within the window: a longer prefill keeps only its last window tokens (``KVWindow.kept``),
+    # whose own keys then saw fewer than a window: a draft's approximation, not this equality.
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, WINDOW)]
+    for (fs, rs), prompt in zip(slots, prompts):
+        torch.testing.assert_close(ring.forward([rs], [prompt], [1]), full.forward([fs], [prompt], [1]))
+    for step in range(40):
+        widths = [1 + (step + row) % 4 for row in range(2)]
+        feeds = [torch.randint(0, 256, (w,), generator=gen).tolist() for w in widths]
+        got = ring.forward([r for _, r in slots], feeds, widths)
+        want = full.forward([f for f, _ in slots], feeds, widths)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for (fs, rs), w in zip(slots, widths):  # a rejection: the last token rolled back
+            if w > 1:
+                full.truncate(fs, full.length(fs) - 1)
+                ring.truncate(rs, ring.length(rs) - 1)
+    assert ring.length(slots[1][1]) > 3 * (WINDOW + 3)
+
+
+def test_bounded_cache_keeps_its_sinks():
+    """The mask sees the sink positions and the last ``window`` up to each query, nothing stale or empty."""
+    from specdec_core.kv_cache import KVWindow, SlotKVCache
+
+    window = KVWindow(sinks=2, window=4, slack=2)
+    cache = SlotKVCache(1, 1, 1, 2, window.columns, torch.float32, "cpu", window=window)
+    positions = list(range(0, 13))
+    cache.record([window.column(p) for p in positions], positions)  # slot 0: row = column
+    columns = cache.column_positions[0].tolist()
+    assert columns == [0, 1, 8, 9, 10, 11, 12, 7]  # the ring of 6 columns after position 12
+    mask = cache.window_mask(torch.tensor([0]), torch.tensor([[10, 12]]), window.columns)[0, 0]
+    seen = [[p for p, m in zip(columns, row) if m] for row in mask.tolist()]
+    assert seen == [[0, 1, 8, 9, 10, 7], [0, 1, 9, 10, 11, 12]]
+    assert window.kept(0, 20) == [0, 1, 16, 17, 18, 19]  # a long prefill: the sinks and the window

@@ -4,6 +4,7 @@ and the separate topology's stopping rules."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -154,6 +155,17 @@ def test_glue_observe_and_regimes_map():
     st.observe_timing("plain", 1, RequestStats(plain_steps=9), 1.2 * st.cost_model().plain_time_per_token(1))
     drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
     assert drift[0]["plain_steps"] == 1 and drift[0]["plain"] > 1.0 and drift[0]["spec_steps"] == 0
+
+
+def test_regimes_map_has_a_context_axis():
+    """Per class, the regime along the context: with a per-row slope that grows with the verify width
+    (attention compute bound, as on this CPU) the batch-1 speedup falls with the context."""
+    costs = dataclasses.replace(_compute_bound_costs(), context_slope_s=tuple(2e-6 * q for q in (1, 2, 3, 5, 9)))
+    st = _state(a=0.9, costs=costs)
+    axis = st.regimes({"plain": PoolLoad(), "colocated": PoolLoad()})["classes"][0]["by_context"]
+    assert [e["context"] for e in axis] == [128, 256]  # below the context limit, 512
+    assert axis[0]["predicted_speedup_batch1"] > axis[1]["predicted_speedup_batch1"] > 1
+    assert all(e["break_even_batch"] is None or e["break_even_batch"] >= 1 for e in axis)
 
 
 def test_prior_costs_and_hops():
