@@ -114,12 +114,11 @@ class SlotKVCache:
         if self.column_positions is not None:
             self.column_positions[slot] = -1
 
-    def record(self, write_rows: list[int], positions: list[int]) -> None:
-        """Note the positions a bounded cache's next forward writes (``write_rows``: slot * (max_len + 1) + column)."""
-        row_len = self.max_len + 1
-        flat = [r // row_len * self.max_len + r % row_len for r in write_rows]
-        self.column_positions.view(-1)[torch.tensor(flat, device=self.column_positions.device)] = torch.tensor(
-            positions, device=self.column_positions.device)
+    def record(self, slots: list[int], positions: list[int]) -> None:
+        """Note the positions a bounded cache's next forward writes (token by token: its slot and position)."""
+        flat = [slot * self.max_len + self.window.column(p) for slot, p in zip(slots, positions)]
+        dev = self.column_positions.device
+        self.column_positions.view(-1)[torch.tensor(flat, device=dev)] = torch.tensor(positions, device=dev)
 
     def window_mask(self, slots: torch.Tensor, query_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[B, 1, Q, kv_len] bool: which of a bounded cache's columns each query sees (its sinks and the

@@ -262,8 +262,7 @@ class ModelRunner:
         slots_t = torch.tensor(slots, device=dev)
         if window is not None:  # every column it holds, once the ring has turned
             kv_len = min(kv_len, self.cache.max_len)
-            self.cache.record([slot * row_len + column(p) for slot, row in zip(slots, rows) for p in row],
-                              [p for row in rows for p in row])
+            self.cache.record([slot for slot, row in zip(slots, rows) for _ in row], [p for row in rows for p in row])
             masks = [self.cache.window_mask(slots_t, positions_t, kv_len)] * self.num_layers
         else:
             masks = self._layer_masks(positions_t, kv_len, ragged=q_max > 1 or min(lengths) != max(lengths))
