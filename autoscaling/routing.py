@@ -24,7 +24,8 @@ A class that rule 3 keeps sending plain for its acceptance gets a few probe requ
 (``probe_route``, scheduled by ``autoscaling/exploration.py``) so that its estimate can recover; and
 while the served cost of plain steps at a batch is unmeasured, a share of the auto requests rule 3
 sends to speculation run plain instead (``cost_probe_route``), so that the served costs of both
-sides are learnt and a calibration that flatters speculation is found out.
+sides are learnt and a calibration that flatters speculation is found out; and while the other
+speculative topology's served rounds are unmeasured, a share runs there (``topology_probe_route``).
 
 Every decision carries a regime label (`classify_regime`) that says why
 speculation does or does not pay for this request, in the vocabulary of
@@ -337,19 +338,47 @@ def cost_probe_route(ctx: RoutingContext, spec: RoutingDecision) -> RoutingDecis
                            "not measured yet")
 
 
+def topology_probe_route(ctx: RoutingContext, spec: RoutingDecision) -> RoutingDecision | None:
+    """An auto request that ``route`` sent to one speculative topology, run on the other instead,
+    where that one would pay too (predicted speedup above the margin, room for it): the caller
+    schedules these while the other's served rounds at its batch are unmeasured. The calibration
+    times both topologies' forwards in one process; their served costs differ by more than the two
+    predictions do (hops, overlap on the other core), so only served rounds can rank them."""
+    f = ctx.features
+    if spec.pool not in SPEC_TOPOLOGIES or f.mode != "auto" or f.k is not None or f.topology is not None:
+        return None
+    other = [o for o in _spec_options(ctx) if o.topology != spec.pool and o.choice.k > 0
+             and o.choice.predicted_speedup > 1.0 + ctx.thresholds.margin and ctx.loads[o.topology].has_room()]
+    if not other:
+        return None
+    opt = other[0]
+    return RoutingDecision(opt.topology, opt.topology, opt.choice.k, spec.regime, opt.choice.predicted_speedup,
+                           f"cost probe: served {opt.topology} rounds at batch {opt.batch} not measured yet "
+                           f"(K={opt.choice.k}, a={ctx.acceptance:.2f})")
+
+
 def scheduled_probe(ctx: RoutingContext, decision: RoutingDecision, acceptance_probes: Exploration,
-                    cost_probes: Exploration, plain_measured: Callable[[int], tuple[Hashable, bool]], now: float
+                    cost_probes: Exploration, measured: Callable[[int, str], tuple[Hashable, bool]], now: float
                     ) -> RoutingDecision | None:
     """The probe to run instead of ``decision``, if one is due at ``now``: an acceptance probe for a
     class that goes plain for its acceptance (``probe_route``, on the class's schedule), else a cost
-    probe while the served plain step at the request's batch is unmeasured (``cost_probe_route``, on
-    the schedule of its batch bucket). ``plain_measured(batch)`` gives that bucket and whether it is
-    measured. None: run ``decision``."""
-    probe = probe_route(ctx, decision)
-    if probe is not None and acceptance_probes.probe_due(ctx.features.traffic_class, now):
-        return probe
-    probe = cost_probe_route(ctx, decision)
-    if probe is None:
-        return None
-    bucket, measured = plain_measured(ctx.loads[PLAIN_POOL].joined_batch())
-    return probe if not measured and cost_probes.probe_due(bucket, now) else None
+    probe while the served steps of the side ``decision`` does not take are unmeasured at the
+    request's batch, on the schedule of its batch bucket: plain decoding (``cost_probe_route``), the
+    other speculative topology (``topology_probe_route``), or the acceptance probe's speculation
+    (a calibration that undersells served speculation keeps a class plain, and only served
+    speculative steps can say so). ``measured(batch, kind)`` gives that bucket and whether served
+    steps of ``kind`` ("plain", "colocated", "separate") are measured there. None: run ``decision``."""
+    spec = probe_route(ctx, decision)
+    if spec is not None and acceptance_probes.probe_due(ctx.features.traffic_class, now):
+        return spec
+    for probe in (cost_probe_route(ctx, decision), topology_probe_route(ctx, decision), spec):
+        if probe is None:
+            continue
+        bucket, seen = measured(ctx.loads[probe.pool].joined_batch(), probe.pool)
+        if not seen:
+            if not cost_probes.probe_due((probe.pool, bucket), now):
+                return None
+            return probe if probe is not spec else replace(
+                spec, reason=f"cost probe: served {spec.pool} steps at batch "
+                             f"{ctx.loads[spec.pool].joined_batch()} not measured yet (K={spec.k})")
+    return None

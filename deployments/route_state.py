@@ -213,7 +213,7 @@ class RouteState:
         for its acceptance sends its scheduled probes to speculation. Raises RoutingError."""
         ctx = self.context(features, loads)
         d = route(ctx)
-        probe = scheduled_probe(ctx, d, self.exploration, self.cost_probes, self._plain_measured, self.clock())
+        probe = scheduled_probe(ctx, d, self.exploration, self.cost_probes, self._measured, self.clock())
         if probe is not None:
             return Route(probe, probe.pool, loads[probe.pool].joined_batch(), False, features.traffic_class, True)
         pool = d.pool
@@ -225,11 +225,9 @@ class RouteState:
         adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in SPEC_TOPOLOGIES
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 
-    def _plain_measured(self, batch: int) -> tuple[int, bool]:
-        """The drift bucket of ``batch`` and whether served plain steps there are measured."""
-        bucket = self.drift.bucket(batch)
-        seen = self.drift.buckets.get(bucket)
-        return bucket, seen is not None and seen.plain_steps >= self.drift.min_steps
+    def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
+        """The drift bucket of ``batch`` and whether served steps of ``kind`` (a pool) are measured there."""
+        return self.drift.bucket(batch), self.drift.measured(batch, kind)
 
     # ---- feedback ------------------------------------------------------------------------------
     def learn(self, pool: str, batch: int, cls: TrafficClass, stats: RequestStats, seconds_per_token: float,
@@ -251,20 +249,28 @@ class RouteState:
     def observe_timing(self, pool: str, batch: int, stats: RequestStats, seconds_per_token: float,
                        cls: TrafficClass | None = None) -> None:
         """A finished request's measured decode time per token against the step the cost model
-        priced, learnt per batch bucket for plain and for co-located speculative steps
-        (``StepDrift``). The calibration times engine steps; a served step also pays the replica's
-        loop and streaming, which a speculative step spreads over several tokens, so served
-        speculation can pay where the engine-step costs say it does not."""
+        priced, learnt per batch bucket for plain steps, co-located speculative steps and the
+        separate topology's rounds (``StepDrift``). The calibration times engine steps; a served
+        step also pays the replica's loop and streaming, which a speculative step spreads over
+        several tokens, so served speculation can pay where the engine-step costs say it does not;
+        and the separate topology's rounds pay hops and overlap the draft with the verify on
+        another process, which no calibrated step measures."""
         verify = stats.verify_steps
         # plain_steps counts the prefill's pass, and a fixed-K request may end on a K=0 step (its
         # token budget): one such decode step still leaves the request a K-token one.
         plain_decode = max(0, stats.plain_steps - 1)
-        if pool not in ("plain", "colocated") or seconds_per_token <= 0 or (verify and plain_decode > 1):
-            return  # the separate loop pays hops; a request that changed K has no single step shape
+        if pool not in POOLS or seconds_per_token <= 0 or (verify and plain_decode > 1):
+            return  # a request that changed K has no single step shape
+        if pool == "separate" and not verify:
+            return  # a separate request that never speculated (its draft failed) measured no round
         k = round(stats.proposed / verify) if verify else 0
-        measured = seconds_per_token * (stats.mean_acceptance_length if verify else 1.0)
         context = stats.prompt_tokens + stats.output_tokens // 2  # its decode steps, on average
         model = self.view.model_for(cls, context) if cls is not None else self.cost_model()
+        if pool == "separate":  # a round's time per token, at the acceptance the request met
+            calibrated = CostModel(model.costs).spec_time_per_token(batch, k, stats.acceptance_rate, "separate")
+            self.drift.observe(k, seconds_per_token, calibrated, batch, "separate")
+            return
+        measured = seconds_per_token * (stats.mean_acceptance_length if verify else 1.0)
         self.drift.observe(k, measured, model.calibrated_step_time(batch, k), batch)
 
     def realised_speedup(self, batch: int, seconds_per_token: float) -> float | None:

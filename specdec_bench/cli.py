@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("serve", help="load generator against a running OpenAI-compatible server")
     _server_load_args(p)
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
-    p.add_argument("--modes", nargs="*", default=["plain", "colocated", "separate", "auto"])
+    p.add_argument("--modes", nargs="*", default=["plain", "colocated", "separate", "auto"],
+                   help="plain, colocated, separate, auto; colocated:K or separate:K for a fixed K")
     p.add_argument("--rates", nargs="*", type=float, help="Poisson arrival rates (req/s); default closed loop")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--requests", type=int, default=16)

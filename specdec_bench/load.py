@@ -37,6 +37,14 @@ MODES = {
 }
 
 
+def speculation_of(mode: str) -> dict:
+    """A mode's ``speculation`` field: one of ``MODES``, or ``colocated:K`` / ``separate:K`` (a fixed K)."""
+    topology, _, k = mode.partition(":")
+    if not k:
+        return MODES[mode]
+    return {**MODES[topology], "num_speculative_tokens": int(k)}
+
+
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, speculation: dict,
                       extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -183,7 +191,7 @@ async def run_interleaved(args, model: str) -> list[dict]:
             batch = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
             for mode in (modes[i] for i in orders[r % len(orders)]):
                 t0 = time.perf_counter()
-                got = await asyncio.gather(*(one_request(client, model, p, args, MODES[mode]) for p in batch))
+                got = await asyncio.gather(*(one_request(client, model, p, args, speculation_of(mode)) for p in batch))
                 wall[mode] += time.perf_counter() - t0
                 results[mode] += got
                 if mode == "auto" and first_auto is None:
@@ -217,7 +225,7 @@ def run_serve(args) -> dict:
         rates = []
     for rate in rates:
         for mode in tqdm(args.modes, desc=f"rate {rate or f'concurrency {args.concurrency}'}"):
-            res = asyncio.run(run_pass(args, model, MODES[mode], rate))
+            res = asyncio.run(run_pass(args, model, speculation_of(mode), rate))
             passes.append({"mode": mode, "rate": rate, "concurrency": None if rate else args.concurrency, **res})
             tqdm.write(f"{mode:10s} rate={rate} tput {res['output_throughput']:.1f} tok/s  TTFT p50/p99 "
                        f"{res['median_ttft_ms']:.0f}/{res['p99_ttft_ms']:.0f} ms  TPOT p50/p99 "

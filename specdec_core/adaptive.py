@@ -32,14 +32,20 @@ to its base.
 | SPECULATING   | the same K             | SPECULATING | base                | ``hold``         |
 | SPECULATING   | another K >= 1         | SPECULATING | base                | ``speculate``    |
 | SPECULATING   | 0: collapse            | PLAIN       | doubled             | ``back_off``     |
-| any           | regret over budget     | STOPPED     | (K=0 to the end)    | ``stop``         |
+| any, K >= 2   | regret over budget     | SPECULATING | base                | ``Regret.trip``: |
+|               |                        |             |                     | K <= K // 2 on   |
+| any, K = 1    | regret over budget     | STOPPED     | (K=0 to the end)    | ``stop``         |
 
 The regret guard (in the spirit of SmartSpec, Liu et al. 2024): whatever the costs priced, a
 request keeps the measured wall time of the steps it speculated in against what plain steps at
 the same batch would have taken for the tokens those steps emitted (the engine's own measured
 plain steps, not the calibration); once that loss passes ``REGRET_BUDGET`` of the request's time
-so far (and a few steps' worth, so one noisy step cannot trip it), the request decodes plain to
-its end. So a wrong calibration costs a request at most a few percent against plain. The plain
+so far (and a few steps' worth, so one noisy step cannot trip it), the request's K is capped at
+half the K that lost, with a fresh budget; once K=1 has lost too, it decodes plain to its end. So a
+wrong calibration costs a request at most a few budgets against plain, and a K too large for the
+request's text (a class estimate of 0.81 started a prose request at K=4 whose first steps accepted
+0.2 of their tokens; stopped there it ran 0.91x of plain, where K=2 ran 1.34x) costs one budget
+rather than its whole speculation. The plain
 reference must be measured where the speculative steps are: a served replica shares its cores
 with the router, the proxy and the other replicas, and every step there ran ~1.6x its idle
 calibration; against the calibrated plain step each speculative step looked like a loss, and at
@@ -139,11 +145,20 @@ class Regret:
     all its tokens so far. Only speculative steps are charged: a plain row costs nothing to watch."""
 
     loss_s: float = 0.0
+    k_cap: int | None = None  # the largest K the request may still use (None: its own K)
 
     def charge(self, spec_step_s: float, emitted: int, plain_step_s: float, tokens_so_far: int) -> bool:
         """One speculative step; True once the loss is over the budget."""
         self.loss_s += spec_step_s - emitted * plain_step_s
         return self.loss_s > plain_step_s * max(REGRET_BUDGET * tokens_so_far, REGRET_FLOOR_STEPS)
+
+    def trip(self, state: KState) -> KState:
+        """The budget is spent speculating at ``state.k``: at most half that K from now on, with a
+        fresh budget, or plain to the end once K = ``PROBE_K`` lost too."""
+        if state.k <= PROBE_K:
+            return stop(state)
+        self.k_cap, self.loss_s = max(PROBE_K, state.k // 2), 0.0
+        return KState(Phase.SPECULATING, self.k_cap, 0, state.probe_every)
 
 
 def next_state(state: KState, k: int, base_wait: int, max_wait: int) -> KState:

@@ -226,30 +226,36 @@ class StepCosts:
 @dataclass
 class _Drift:
     plain: float = 1.0
-    spec: float = 1.0
+    spec: float = 1.0  # co-located speculative steps
+    separate: float = 1.0  # the separate topology's rounds (its hops and overlap as served)
     plain_steps: int = 0
     spec_steps: int = 0
+    separate_steps: int = 0
     outlier_rate: float = 0.0  # moving share of observations off the calibration by more than the bounds
 
 
 @dataclass
 class StepDrift:
     """How far real steps run from the calibration, learnt online per batch-size bucket (powers of
-    two), separately for plain and speculative steps (moving average of measured / calibrated; the
-    plain mean of the first ``1 / weight`` observations, so that it starts where they are and not
-    pulled towards 1).
+    two), separately for plain steps, co-located speculative steps and the separate topology's rounds
+    (moving average of measured / calibrated; the plain mean of the first ``1 / weight``
+    observations, so that it starts where they are and not pulled towards 1).
 
     A calibration is a few seconds at one moment; on a shared machine plain steps were measured
     16% cheaper ten minutes later while speculative steps matched, which flipped decisions near
     break-even. Per batch bucket, because the error of a calibration interpolated between grid
     batches depends on the batch: a factor learnt at batch 1 made speculation look cheap at batch
-    16. Only the two factors' difference changes a decision, so they apply once both kinds of
-    step have been seen ``min_steps`` times in the bucket: a drift learnt on one side alone would
-    make that side look cheaper than the other for no measured reason. Steps off by more than
-    ``bounds`` are not drift but a calibration of other hardware (or a synthetic one): while they
-    are more than a tenth of a bucket's recent steps, the bucket keeps the calibration as it is.
-    Recent, not all: a served replica's first requests (cold start, warm-up stalls) are outliers
-    too, and must not switch the correction off for the replica's life.
+    16. Per topology, because the separate topology's rounds run in other processes than the
+    calibration's (served here they beat co-located steps by 1.15x that the calibrated prices
+    put the other way: BENCHMARKS.md, "Auto picks its topology from served costs"). Only the
+    factors' differences change a decision, so they apply once plain steps and one speculative kind
+    have been seen ``min_steps`` times in the bucket (a drift learnt on one side alone would make
+    that side look cheaper than the other for no measured reason); a speculative kind not yet
+    measured takes the other's factor. Steps off by more than ``bounds`` are not drift but a
+    calibration of other hardware (or a synthetic one): while they are more than a tenth of a
+    bucket's recent steps, the bucket keeps the calibration as it is. Recent, not all: a served
+    replica's first requests (cold start, warm-up stalls) are outliers too, and must not switch the
+    correction off for the replica's life.
     """
 
     weight: float = 0.05  # per observed step
@@ -268,15 +274,28 @@ class StepDrift:
     def bucket(batch: float) -> int:
         return max(0, math.ceil(math.log2(max(batch, 1.0))))
 
-    def factor(self, k: int, batch: float = 1) -> float:
+    def factor(self, k: int, batch: float = 1, topology: str = "colocated") -> float:
         d = self.buckets.get(self.bucket(batch))
-        if d is None or min(d.plain_steps, d.spec_steps) < self.min_steps:
+        if d is None or d.outlier_rate > 0.1 or d.plain_steps < self.min_steps:
             return 1.0
-        if d.outlier_rate > 0.1:
+        colocated, separate = d.spec_steps >= self.min_steps, d.separate_steps >= self.min_steps
+        if not (colocated or separate):
             return 1.0
-        return d.plain if k == 0 else d.spec
+        if k == 0:
+            return d.plain
+        if topology == "separate":
+            return d.separate if separate else d.spec
+        return d.spec if colocated else d.separate
 
-    def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1) -> None:
+    def measured(self, batch: float, kind: str) -> bool:
+        """Have served steps of ``kind`` ("plain", "colocated", "separate") been seen ``min_steps``
+        times in ``batch``'s bucket?"""
+        d = self.buckets.get(self.bucket(batch))
+        # a bucket off the calibration by more than the bounds learns nothing from more of its steps
+        return d is not None and (getattr(d, _STEPS[kind]) >= self.min_steps or d.outlier_rate > 0.1)
+
+    def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1,
+                topology: str = "colocated") -> None:
         if calibrated_s <= 0 or measured_s <= 0:
             return
         self.version += 1
@@ -289,12 +308,16 @@ class StepDrift:
         d.outlier_rate += self.weight * (outlier - d.outlier_rate)
         if outlier:
             return
-        if k == 0:
-            d.plain_steps += 1
-            d.plain += max(self.weight, 1.0 / d.plain_steps) * (ratio - d.plain)
-        else:
-            d.spec_steps += 1
-            d.spec += max(self.weight, 1.0 / d.spec_steps) * (ratio - d.spec)
+        kind = "plain" if k == 0 else topology
+        field_, steps = _FACTOR[kind], _STEPS[kind]
+        n = getattr(d, steps) + 1
+        setattr(d, steps, n)
+        setattr(d, field_, getattr(d, field_) + max(self.weight, 1.0 / n) * (ratio - getattr(d, field_)))
+
+
+# A step kind's factor and count in a `_Drift`.
+_FACTOR = {"plain": "plain", "colocated": "spec", "separate": "separate"}
+_STEPS = {"plain": "plain_steps", "colocated": "spec_steps", "separate": "separate_steps"}
 
 
 @dataclass(frozen=True)
@@ -324,7 +347,7 @@ class CostModel:
         """One speculative step: K draft forwards (over ``draft_rows`` rows, default all), one
         K+1-token verify, the hops (K=0: a plain step)."""
         t = self.calibrated_step_time(batch, k, topology, draft_rows)
-        return t if self.drift is None else t * self.drift.factor(k, batch)
+        return t if self.drift is None else t * self.drift.factor(k, batch, topology)
 
     def calibrated_step_time(self, batch: float, k: int, topology: str = "colocated",
                              draft_rows: float | None = None) -> float:
@@ -368,7 +391,7 @@ class CostModel:
         t = verify
         if extra_tokens:
             t += draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)
-        return t if calibrated or self.drift is None else t * self.drift.factor(extra_tokens, batch)
+        return t if calibrated or self.drift is None else t * self.drift.factor(extra_tokens, batch, topology)
 
     def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
         """Time per emitted token with K-token speculation: a step over E_K(a) tokens, or the
@@ -390,7 +413,7 @@ class CostModel:
         kept = a**k
         t = max(draft, verify) + (1.0 - kept) * draft + hop
         if self.drift is not None:
-            t *= self.drift.factor(k, batch)
+            t *= self.drift.factor(k, batch, topology)
         return t / (expected_tokens_per_step(a, k) - kept)
 
     def overlap_pays(self, batch: float, k: int, a: float, topology: str = "separate") -> bool:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec_core.acceptance import TrafficClass
-from specdec_core.adaptive import AdaptiveK, KState, Regret, stop
+from specdec_core.adaptive import AdaptiveK, KState, Regret
 from specdec_core.proposers import Proposal
 from specdec_core.request import RequestOutput, RequestState
 from specdec_core.stats import StepTiming
@@ -209,6 +209,7 @@ class Scheduler:
             return 0
         k = req.params.num_speculative_tokens
         if req.params.adaptive_k and self.adaptive is not None and k > 0:
+            k = min(k, req.regret.k_cap or k)
             req.k_state = self.adaptive.choose(
                 req.k_state, self._traffic_class(req), req.stats.accepted, sum(req.stats.proposed_per_position),
                 batch, k, remaining_tokens=req.params.max_new_tokens - len(req.output_ids),
@@ -308,7 +309,7 @@ class Scheduler:
             if prop.token_ids and req.params.adaptive_k and req.k_state is not None:
                 plain_step = self.adaptive.plain_step_time(self._traffic_class(req), len(req.tokens), len(rows))
                 if req.regret.charge(step_s, len(req.output_ids) - n0, plain_step, len(req.output_ids)):
-                    req.k_state = stop(req.k_state)
+                    req.k_state = req.regret.trip(req.k_state)
 
     def _traffic_class(self, req: ScheduledRequest) -> TrafficClass:
         if req.traffic_class is None:  # fixed for the request's life; asked several times a step

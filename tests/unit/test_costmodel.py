@@ -386,3 +386,24 @@ def test_step_drift_moves_a_near_break_even_decision():
         warm_up.observe(2, 1.0, 1.0)
     assert warm_up.factor(0) == pytest.approx(0.8, abs=0.01) and warm_up.factor(2) == pytest.approx(1.0, abs=0.01)
 
+
+
+def test_drift_is_learnt_per_topology():
+    """Separate rounds measured 0.7x their calibrated price, co-located steps as calibrated: the
+    separate topology's price drops and only its; before co-located steps are measured, both
+    speculative kinds take the one measured factor; plain steps alone change nothing."""
+    drift = StepDrift()
+    cm = CostModel(leviathan_costs(0.2), drift=drift)
+    for _ in range(30):
+        drift.observe(0, 1.0, 1.0, batch=1)
+    assert drift.factor(2, 1, "separate") == drift.factor(2, 1) == 1.0  # one side alone: no evidence
+    for _ in range(30):
+        drift.observe(2, 0.7, 1.0, batch=1, topology="separate")
+    assert drift.measured(1, "separate") and not drift.measured(1, "colocated")
+    assert drift.factor(2, 1, "separate") == pytest.approx(0.7) and drift.factor(2, 1) == pytest.approx(0.7)
+    for _ in range(30):
+        drift.observe(2, 1.0, 1.0, batch=1)
+    assert drift.factor(2, 1, "separate") == pytest.approx(0.7) and drift.factor(2, 1) == pytest.approx(1.0)
+    assert drift.factor(0, 1) == pytest.approx(1.0)
+    assert cm.spec_step_time(1, 2, "separate") == pytest.approx(0.7 * cm.calibrated_step_time(1, 2, "separate"))
+    assert cm.spec_step_time(1, 2) == pytest.approx(cm.calibrated_step_time(1, 2))

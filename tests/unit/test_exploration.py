@@ -10,7 +10,7 @@ from autoscaling.routing import PROBE_K, PoolLoad
 from autoscaling.traffic_classes import DomainTable
 from deployments.route_state import RouteState
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
-from specdec_core.costmodel import StepCosts
+from specdec_core.costmodel import CostModel, StepCosts
 from specdec_core.stats import RequestStats
 
 CLS = TrafficClass("d", "greedy", "code")
@@ -48,10 +48,10 @@ def _state(now: list[float]) -> RouteState:
     return st
 
 
-def _request(st: RouteState):
+def _request(st: RouteState, loads: dict[str, PoolLoad] = LOADS):
     features = st.features(temperature=0.0, top_p=1.0, max_tokens=64, prompt_tokens=16, mode="auto", k=None,
                            topology=None, objective="latency", cls=st.traffic_class(0.0, "code"))
-    return st.decide(features, LOADS)
+    return st.decide(features, loads)
 
 
 def _finished(k: int, steps: int, a: float) -> RequestStats:
@@ -60,6 +60,14 @@ def _finished(k: int, steps: int, a: float) -> RequestStats:
     for _ in range(steps):
         stats.record_verify(k, round(a * k))
     return stats
+
+
+def _finish(st: RouteState, r, a: float) -> None:
+    """A probe finishes: `a` of its draft tokens accepted, its steps as calibrated."""
+    stats = _finished(r.decision.k, 30, a)
+    stats.prompt_tokens, stats.output_tokens = 16, 30
+    st.learn(r.pool, r.batch, CLS, stats, st.cost_model().calibrated_step_time(1, r.decision.k)
+             / stats.mean_acceptance_length, migrated=False)
 
 
 def test_a_collapsed_class_returns_to_speculation_when_acceptance_recovers():
@@ -73,18 +81,20 @@ def test_a_collapsed_class_returns_to_speculation_when_acceptance_recovers():
         r = _request(st)
         routes.append(r)
         if r.probe:
-            st.observe(CLS, _finished(r.decision.k, 30, 0.0))
+            _finish(st, r, 0.0)
     plain = [r for r in routes if not r.probe]
     probes = [r for r in routes if r.probe]
+    cost = [r for r in probes if "cost probe" in r.decision.reason]
     assert all(r.pool == "plain" and r.decision.regime == "domain_mismatch" for r in plain)
-    assert 5 <= len(probes) <= 12, len(probes)  # ~5% of the class's requests
+    assert len(cost) == 3  # until three have measured served speculative steps at the batch
+    assert 5 <= len(probes) - len(cost) <= 12, len(probes)  # ~5% of the class's requests
     assert all(r.pool == "colocated" and r.decision.k == PROBE_K and not r.adaptive for r in probes)
-    assert all("exploration probe" in r.decision.reason for r in probes)
+    assert all("exploration probe" in r.decision.reason for r in probes if r not in cost)
     for _ in range(400):  # the draft fits the traffic again: the probes show it
         now[0] += 1.0
         r = _request(st)
         if r.probe:
-            st.observe(CLS, _finished(r.decision.k, 30, 1.0))
+            _finish(st, r, 1.0)
         if not r.probe and r.pool == "colocated":
             break
     else:
@@ -114,3 +124,78 @@ def test_cost_probes_measure_plain_steps_then_stop():
         st.observe_timing("plain", 1, RequestStats(plain_steps=9, prompt_tokens=16, output_tokens=8),
                           st.cost_model().plain_time_per_token(1), CLS)
     assert not any(_request(st).probe for _ in range(20))
+
+
+def test_topology_probes_let_served_rounds_rank_the_topologies():
+    """The calibration prices co-located a little ahead of separate (1.52x against 1.45x). While
+    served separate rounds at batch 1 are unmeasured, a share of the auto requests that would go
+    co-located run separate instead; when those rounds come back 1.3x faster than the co-located
+    steps measured beside them, auto sends the traffic to the separate topology, and the probes stop."""
+    now = [0.0]
+    st = _state(now)
+    loads = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
+    cm = st.cost_model()
+    for _ in range(3):  # served plain and co-located steps as calibrated: no cost probes for them
+        st.observe_timing("plain", 1, RequestStats(plain_steps=9, prompt_tokens=16, output_tokens=8),
+                          cm.plain_time_per_token(1), CLS)
+        colocated = _finished(3, 20, 2 / 3)
+        colocated.prompt_tokens, colocated.output_tokens = 16, 60
+        st.observe_timing("colocated", 1, colocated,
+                          cm.calibrated_step_time(1, 3) / colocated.mean_acceptance_length, CLS)
+    routes = [_request(st, loads) for _ in range(20)]
+    probes = [r for r in routes if r.probe]
+    assert all(r.pool == "colocated" for r in routes if not r.probe)
+    assert len(probes) == 4 and all(r.pool == "separate" and "cost probe" in r.decision.reason for r in probes)
+    assert all(r.decision.k > 0 and not r.adaptive for r in probes)
+    for r in probes[:3]:  # three probes finish: rounds 1.3x faster per token than co-located steps
+        stats = _finished(r.decision.k, 20, 2 / 3)
+        stats.prompt_tokens, stats.output_tokens = 16, 60
+        colocated_per_token = cm.spec_time_per_token(1, r.decision.k, stats.acceptance_rate)
+        st.observe_timing("separate", 1, stats, colocated_per_token / 1.3, CLS)
+    after = [_request(st, loads) for _ in range(20)]
+    assert not any(r.probe for r in after)
+    assert all(r.pool == "separate" and r.adaptive for r in after)
+
+
+def test_no_topology_probe_where_the_other_topology_would_not_pay():
+    """A separate topology priced at a loss (a 30 ms hop per round) is never probed."""
+    now = [0.0]
+    st = _state(now)
+    st.separate_hop_s = 0.030
+    st.set_costs(_costs(), "test")
+    loads = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
+    routes = [_request(st, loads) for _ in range(40)]
+    assert all(r.pool in ("plain", "colocated") for r in routes)
+
+
+def test_cost_probes_find_speculation_that_the_calibration_undersells():
+    """Calibrated, speculation breaks even at the prior acceptance (0.6), so auto starts plain. Served,
+    a plain step costs 1.4x its calibrated price and a speculative step what it was calibrated at
+    (the replica's loop and streaming, paid per step, are spread over several tokens). Cost probes
+    measure speculative steps while that side is unmeasured; then the class speculates."""
+    now = [0.0]
+    tracker = AcceptanceTracker(prior_mean=0.6, prior_weight=20, half_life_s=60.0, clock=lambda: now[0])
+    st = RouteState("d", tracker, k_max=8, default_k=4, context_limit=512, domains=DomainTable(promote_after=1),
+                    exploration=Exploration(share=0.05, min_interval_s=1.0), clock=lambda: now[0])
+    batches, qs = (1, 2, 4, 8), (1, 2, 3, 5, 9)
+    st.set_costs(StepCosts(batches, qs, tuple(tuple(0.010 + 0.003 * (q - 1) + 0.0002 * b * q for q in qs)
+                                              for b in batches), tuple(0.003 for _ in batches), source="s"), "test")
+    cm = CostModel(st.costs)
+    assert _request(st).pool == "plain"
+    routes = []
+    for _ in range(40):
+        now[0] += 1.0
+        r = _request(st)
+        routes.append(r)
+        if r.pool == "plain":
+            st.learn("plain", 1, CLS, RequestStats(plain_steps=31, prompt_tokens=16, output_tokens=30),
+                     1.4 * cm.plain_time_per_token(1), migrated=False)
+        else:
+            stats = RequestStats(prompt_tokens=16, output_tokens=60)
+            for i in range(30):  # acceptance 0.6, the prior: the probes teach the served cost, not a better draft
+                stats.record_verify(r.decision.k, round((i + 1) * 0.6 * r.decision.k) - round(i * 0.6 * r.decision.k))
+            st.learn(r.pool, 1, CLS, stats, cm.calibrated_step_time(1, stats.proposed // stats.verify_steps)
+                     / stats.mean_acceptance_length, migrated=False)
+    cost = [r for r in routes if r.probe and "cost probe" in r.decision.reason]
+    assert len(cost) == 3 and all(r.pool == "colocated" for r in cost)
+    assert all(r.pool == "colocated" and r.adaptive for r in routes[-10:])
