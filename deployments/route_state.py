@@ -266,8 +266,9 @@ class RouteState:
         k = round(stats.proposed / verify) if verify else 0
         context = stats.prompt_tokens + stats.output_tokens // 2  # its decode steps, on average
         model = self.view.model_for(cls, context) if cls is not None else self.cost_model()
-        if pool == "separate":  # a round's time per token, at the acceptance the request met
-            calibrated = CostModel(model.costs).spec_time_per_token(batch, k, stats.acceptance_rate, "separate")
+        if pool == "separate":  # a round's time per token, at the acceptance the request met (accepted / judged)
+            a = stats.accepted / max(1, sum(stats.proposed_per_position))
+            calibrated = CostModel(model.costs).spec_time_per_token(batch, k, a, "separate")
             self.drift.observe(k, seconds_per_token, calibrated, batch, "separate")
             return
         measured = seconds_per_token * (stats.mean_acceptance_length if verify else 1.0)

@@ -150,7 +150,7 @@ def test_topology_probes_let_served_rounds_rank_the_topologies():
     for r in probes[:3]:  # three probes finish: rounds 1.3x faster per token than co-located steps
         stats = _finished(r.decision.k, 20, 2 / 3)
         stats.prompt_tokens, stats.output_tokens = 16, 60
-        colocated_per_token = cm.spec_time_per_token(1, r.decision.k, stats.acceptance_rate)
+        colocated_per_token = cm.spec_time_per_token(1, r.decision.k, stats.accepted / sum(stats.proposed_per_position))
         st.observe_timing("separate", 1, stats, colocated_per_token / 1.3, CLS)
     after = [_request(st, loads) for _ in range(20)]
     assert not any(r.probe for r in after)
@@ -199,3 +199,17 @@ def test_cost_probes_find_speculation_that_the_calibration_undersells():
     cost = [r for r in routes if r.probe and "cost probe" in r.decision.reason]
     assert len(cost) == 3 and all(r.pool == "colocated" for r in cost)
     assert all(r.pool == "colocated" and r.adaptive for r in routes[-10:])
+
+
+def test_separate_rounds_as_calibrated_teach_no_drift():
+    """A separate request whose rounds ran exactly at their calibrated price: K=4, two of four draft
+    tokens kept a round (three judged: acceptance 2/3, though only half the proposed tokens were
+    kept) teaches a factor of 1."""
+    now = [0.0]
+    st = _state(now)
+    stats = _finished(4, 30, 0.5)
+    stats.prompt_tokens, stats.output_tokens = 16, 60
+    per_token = CostModel(st.costs).spec_time_per_token(1, 4, 2 / 3, "separate")
+    for _ in range(3):
+        st.observe_timing("separate", 1, stats, per_token, CLS)
+    assert st.drift.buckets[0].separate == pytest.approx(1.0)
