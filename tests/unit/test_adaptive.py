@@ -6,9 +6,8 @@ import time
 
 import pytest
 
-from specdec_core import AcceptanceTracker, AdaptiveK, Engine, NgramProposer, StepCosts, TrafficClass
+from specdec_core import AcceptanceTracker, AdaptiveK, Engine, NgramProposer, StepCosts, TrafficClass, calibration
 from specdec_core.adaptive import PROBE_K, KState, Phase, Regret, next_class_state, next_state, stop
-from specdec_core import calibration
 from specdec_core.calibration import calibrate
 from specdec_core.cost_view import CostView
 
