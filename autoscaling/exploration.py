@@ -7,8 +7,8 @@ class to the plain pool for good, while explicit speculation was 1.14x faster). 
 request of the class run speculatively with a fixed K, every draft token judged; at most
 ``share`` of the class's plain-routed requests are probes, and no two within ``min_interval_s``.
 Which requests may probe, and at what K, is the routing policy's (``routing.probe_route``: only
-where speculation would pay were acceptance high). The same schedule, keyed by batch bucket, runs
-the router's cost probes (``routing.cost_probe_route``). A pure policy: the clock comes in as ``now``.
+where speculation would pay were acceptance high). The same schedule, keyed by pool and batch
+bucket, runs the router's cost probes (``routing.scheduled_probe``). A pure policy: the clock comes in as ``now``.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ so far (and a few steps' worth, so one noisy step cannot trip it), the request's
 half the K that lost, with a fresh budget; once K=1 has lost too, it decodes plain to its end. So a
 wrong calibration costs a request at most a few budgets against plain, and a K too large for the
 request's text (a class estimate of 0.81 started a prose request at K=4 whose first steps accepted
-0.2 of their tokens; stopped there it ran 0.91x of plain, where K=2 ran 1.34x) costs one budget
-rather than its whole speculation. The plain
+0.2 of their tokens; stopped there, it took 0.91x plain's time where K=2 took 0.75x) costs one
+budget rather than its whole speculation. The plain
 reference must be measured where the speculative steps are: a served replica shares its cores
 with the router, the proxy and the other replicas, and every step there ran ~1.6x its idle
 calibration; against the calibrated plain step each speculative step looked like a loss, and at

@@ -246,8 +246,9 @@ class StepDrift:
     break-even. Per batch bucket, because the error of a calibration interpolated between grid
     batches depends on the batch: a factor learnt at batch 1 made speculation look cheap at batch
     16. Per topology, because the separate topology's rounds run in other processes than the
-    calibration's (served here they beat co-located steps by 1.15x that the calibrated prices
-    put the other way: BENCHMARKS.md, "Auto picks its topology from served costs"). Only the
+    calibration's: served here they ran 0.67-1.14x as fast as co-located steps from one start to
+    the next, which no price timed in one process sees (BENCHMARKS.md, "Auto picks its topology
+    and K from served costs"). Only the
     factors' differences change a decision, so they apply once plain steps and one speculative kind
     have been seen ``min_steps`` times in the bucket (a drift learnt on one side alone would make
     that side look cheaper than the other for no measured reason); a speculative kind not yet
