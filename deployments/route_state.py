@@ -36,7 +36,8 @@ from deployments.config import AppConfig, model_label
 from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts, StepDrift
+from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts
+from specdec_core.drift import StepDrift
 from specdec_core.request import RequestState
 from specdec_core.stats import RequestStats
 

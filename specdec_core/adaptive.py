@@ -71,7 +71,8 @@ from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass, position_rates
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import PROBE_CEILING, CostModel, StepDrift, adaptive_k, expected_tokens_per_step
+from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k, expected_tokens_per_step
+from specdec_core.drift import StepDrift
 from specdec_core.step_planner import StepBudget, plan_step, survival
 
 REPRICE_EVERY = 4  # steps between re-pricings of a request at K=0

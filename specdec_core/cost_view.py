@@ -13,7 +13,8 @@ included) and each adaptive request carries a copy to the replica, which prices 
 from __future__ import annotations
 
 from specdec_core.acceptance import TrafficClass, temperature_bucket
-from specdec_core.costmodel import CostModel, StepCosts, StepDrift
+from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.drift import StepDrift
 
 CONTEXT_BUCKET = 64  # tokens: a request is priced at its context rounded up to this
 GREEDY_BUCKET = temperature_bucket(0.0)

@@ -11,11 +11,11 @@ from specdec_core.calibration import cost_grid, fit_draft_cost
 from specdec_core.costmodel import (
     CostModel,
     StepCosts,
-    StepDrift,
     adaptive_k,
     expected_tokens_per_step,
     leviathan_speedup,
 )
+from specdec_core.drift import StepDrift
 from specdec_core.roofline import (
     A100,
     COMPUTE_EFFICIENCY,

@@ -1,0 +1,107 @@
+"""How far served or real steps run from the calibration: ``StepDrift``, learnt online per batch
+bucket and per kind of step (plain, co-located speculative, the separate topology's rounds), and
+applied by ``CostModel`` to the calibrated prices. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Drift:
+    plain: float = 1.0
+    spec: float = 1.0  # co-located speculative steps
+    separate: float = 1.0  # the separate topology's rounds (its hops and overlap as served)
+    plain_steps: int = 0
+    spec_steps: int = 0
+    separate_steps: int = 0
+    outlier_rate: float = 0.0  # moving share of observations off the calibration by more than the bounds
+
+
+@dataclass
+class StepDrift:
+    """How far real steps run from the calibration, learnt online per batch-size bucket (powers of
+    two), separately for plain steps, co-located speculative steps and the separate topology's rounds
+    (moving average of measured / calibrated; the plain mean of the first ``1 / weight``
+    observations, so that it starts where they are and not pulled towards 1).
+
+    A calibration is a few seconds at one moment; on a shared machine plain steps were measured
+    16% cheaper ten minutes later while speculative steps matched, which flipped decisions near
+    break-even. Per batch bucket, because the error of a calibration interpolated between grid
+    batches depends on the batch: a factor learnt at batch 1 made speculation look cheap at batch
+    16. Per topology, because the separate topology's rounds run in other processes than the
+    calibration's: served here they ran 0.67-1.14x as fast as co-located steps from one start to
+    the next, which no price timed in one process sees (BENCHMARKS.md, "Auto picks its topology
+    and K from served costs"). Only the
+    factors' differences change a decision, so they apply once plain steps and one speculative kind
+    have been seen ``min_steps`` times in the bucket (a drift learnt on one side alone would make
+    that side look cheaper than the other for no measured reason); a speculative kind not yet
+    measured takes the other's factor. Steps off by more than ``bounds`` are not drift but a
+    calibration of other hardware (or a synthetic one): while they are more than a tenth of a
+    bucket's recent steps, the bucket keeps the calibration as it is. Recent, not all: a served
+    replica's first requests (cold start, warm-up stalls) are outliers too, and must not switch the
+    correction off for the replica's life.
+    """
+
+    weight: float = 0.05  # per observed step
+    min_steps: int = 20
+    bounds: tuple[float, float] = (0.5, 2.0)
+    buckets: dict[int, _Drift] = field(default_factory=dict)
+    version: int = 0  # moves whenever the factors may have: what a price memoised under it is valid for
+
+    def take(self, other: StepDrift) -> None:
+        """Hold ``other``'s estimates from now on (what cost models holding this object price with)."""
+        self.weight, self.min_steps, self.bounds, self.buckets = other.weight, other.min_steps, other.bounds, \
+            other.buckets
+        self.version += 1
+
+    @staticmethod
+    def bucket(batch: float) -> int:
+        return max(0, math.ceil(math.log2(max(batch, 1.0))))
+
+    def factor(self, k: int, batch: float = 1, topology: str = "colocated") -> float:
+        d = self.buckets.get(self.bucket(batch))
+        if d is None or d.outlier_rate > 0.1 or d.plain_steps < self.min_steps:
+            return 1.0
+        colocated, separate = d.spec_steps >= self.min_steps, d.separate_steps >= self.min_steps
+        if not (colocated or separate):
+            return 1.0
+        if k == 0:
+            return d.plain
+        if topology == "separate":
+            return d.separate if separate else d.spec
+        return d.spec if colocated else d.separate
+
+    def measured(self, batch: float, kind: str) -> bool:
+        """Have served steps of ``kind`` ("plain", "colocated", "separate") been seen ``min_steps``
+        times in ``batch``'s bucket?"""
+        d = self.buckets.get(self.bucket(batch))
+        # a bucket off the calibration by more than the bounds learns nothing from more of its steps
+        return d is not None and (getattr(d, _STEPS[kind]) >= self.min_steps or d.outlier_rate > 0.1)
+
+    def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1,
+                topology: str = "colocated") -> None:
+        if calibrated_s <= 0 or measured_s <= 0:
+            return
+        self.version += 1
+        bucket = self.bucket(batch)
+        d = self.buckets.get(bucket)
+        if d is None:  # not setdefault: a step should not build a _Drift it throws away
+            d = self.buckets[bucket] = _Drift()
+        ratio = measured_s / calibrated_s
+        outlier = not self.bounds[0] <= ratio <= self.bounds[1]
+        d.outlier_rate += self.weight * (outlier - d.outlier_rate)
+        if outlier:
+            return
+        kind = "plain" if k == 0 else topology
+        field_, steps = _FACTOR[kind], _STEPS[kind]
+        n = getattr(d, steps) + 1
+        setattr(d, steps, n)
+        setattr(d, field_, getattr(d, field_) + max(self.weight, 1.0 / n) * (ratio - getattr(d, field_)))
+
+
+# A step kind's factor and count in a `_Drift`.
+_FACTOR = {"plain": "plain", "colocated": "spec", "separate": "separate"}
+_STEPS = {"plain": "plain_steps", "colocated": "spec_steps", "separate": "separate_steps"}
