@@ -122,6 +122,9 @@ class AppConfig(BaseModel):
                                         "and this many recent tokens (StreamingLLM; MagicDec's draft): its per-step "
                                         "read and memory stop growing with the context. null: the whole context.")
     draft_kv_sinks: int = Field(4, ge=0, description="With draft_kv_window: the first tokens the draft always sees.")
+    prefix_cache_tokens: int = Field(4096, ge=0, description="Automatic prefix caching: K/V of this many tokens "
+                                     "per model and replica, kept from released requests in blocks of 16, so a "
+                                     "request that starts the same way skips that prefill. 0: off.")
     trust_remote_code: bool = Field(False, description="Pass trust_remote_code to transformers when loading.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
 

@@ -32,6 +32,7 @@ class Draft(StepReplica):
         runner = ModelRunner.from_pretrained(
             cfg.draft, device=cfg.device, dtype=cfg.dtype, max_slots=cfg.max_batch_size,
             max_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code, kv_window=cfg.draft_window,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
         )
         self.proposer = DraftModelProposer(runner, name=str(cfg.draft))
         self._generators: dict[str, torch.Generator | None] = {}

@@ -44,6 +44,7 @@ class EngineReplica:
             max_model_len=cfg.max_model_len,
             trust_remote_code=cfg.trust_remote_code,
             draft_kv_window=cfg.draft_window,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
         )
         self._costs, self._costs_source, self._sampled_costs = None, None, None
         if speculative:

@@ -67,6 +67,7 @@ class Router:
         self._created = schemas.now()
         self._ready_at: float | None = None  # when Serve first reported the whole app RUNNING
         self._ready_checked = 0.0
+        self._status_check: asyncio.Task | None = None  # a serve.status() question in flight
         self._costs_retry_at = 0.0
         self._costs_task: asyncio.Task | None = None
         self._app_name = serve.get_replica_context().app_name
@@ -104,12 +105,14 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, body: schemas.CompletionRequest):
+        await self._check_started()
         self._check_request(body)
         ids = await self.prompts.completion_ids(body.prompt)
         return await self._serve(body, ids, body.max_tokens, self.cfg.default_max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: schemas.ChatCompletionRequest):
+        await self._check_started()
         self._check_request(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await self.prompts.chat_ids(messages)
@@ -117,6 +120,15 @@ class Router:
         return await self._serve(body, ids, max_tokens, self.cfg.chat_default_max_tokens, chat=True)
 
     # ---- one request -----------------------------------------------------------------------------------
+
+    async def _check_started(self) -> None:
+        """503 until every deployment runs: a request sent while a co-located replica still calibrates
+        would wait for it (measured: 58 s for an auto request routed there by the prior table), as
+        vLLM, which does not listen before it is ready, never lets one."""
+        if not await self._ready():
+            self.metrics.rejected.inc(tags={"status": "503"})
+            raise APIError(503, "the service is starting: its model replicas are not all running yet; retry "
+                           "when GET /health answers 200", "server_error", None, "starting")
 
     def _check_request(self, body) -> None:
         """What can be refused before any work: overload (503 at once), unsupported OpenAI fields."""
@@ -147,19 +159,28 @@ class Router:
     # ---- readiness and step costs ------------------------------------------------------------------------
 
     async def _ready(self) -> bool:
-        """Whether Serve reports this app RUNNING; asked at most every 0.5 s until it first does."""
-        if self._ready_at is None and time.monotonic() - self._ready_checked > 0.5:
-            self._ready_checked = time.monotonic()
-            try:
-                status = await asyncio.to_thread(serve.status)
-                app_status = status.applications.get(self._app_name)
-                if app_status is not None and app_status.status == "RUNNING":
-                    self._ready_at = time.monotonic()
-                    # fetch the step costs now, not on the first auto request
-                    self._costs_task = asyncio.get_running_loop().create_task(self._ensure_costs())
-            except Exception:
-                logger.warning("serve.status() failed", exc_info=True)
+        """Whether Serve reports this app RUNNING; asked at most every 0.5 s until it first does. Requests
+        that arrive while the question is out wait for its answer (not a 503 of their own)."""
+        if self._ready_at is None:
+            if self._status_check is None and time.monotonic() - self._ready_checked > 0.5:
+                self._ready_checked = time.monotonic()
+                self._status_check = asyncio.get_running_loop().create_task(self._check_status())
+            if self._status_check is not None:
+                await asyncio.shield(self._status_check)
         return self._ready_at is not None
+
+    async def _check_status(self) -> None:
+        try:
+            status = await asyncio.to_thread(serve.status)
+            app_status = status.applications.get(self._app_name)
+            if app_status is not None and app_status.status == "RUNNING":
+                self._ready_at = time.monotonic()
+                # fetch the step costs now, not on the first auto request
+                self._costs_task = asyncio.get_running_loop().create_task(self._ensure_costs())
+        except Exception:
+            logger.warning("serve.status() failed", exc_info=True)
+        finally:
+            self._status_check = None
 
     async def _ensure_costs(self) -> None:
         """Fetch the co-located replicas' calibrated step costs once (until then: the prior table)."""

@@ -42,6 +42,7 @@ class Target(StepReplica):
         runner = ModelRunner.from_pretrained(
             cfg.target, device=cfg.device, dtype=cfg.dtype, max_slots=cfg.max_batch_size,
             max_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
         )
         self.verifier = Verifier(runner)
         self._sessions: dict[str, _Session] = {}

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specdec-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from specdec_bench.served_peers import DEFAULT_VLLM_MODES, OUR_MODES, OUR_SERVERS, VLLM_MODES
 
     def common(p, quick: bool = True):
         p.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder")
@@ -52,6 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=16, help="with --served: requests per pass (at least 2 x c)")
     p.add_argument("--max-tokens", type=int, default=48, help="with --served")
     p.add_argument("--prompts", default="prose", help="with --served: prompt set under models/prompts")
+    p.add_argument("--reuse-prompts", action="store_true",
+                   help="with --served: send the prompt set as it is, so passes repeat prompts and prefix caches "
+                        "hit (by default each request's prompt starts with a number of its own: specdec_bench/load.py)")
+    p.add_argument("--vllm-modes", nargs="*", default=list(DEFAULT_VLLM_MODES), choices=list(VLLM_MODES),
+                   help="with --served: vLLM's modes (vllm-plain-no-prefix-cache: the ablation)")
+    p.add_argument("--ours", nargs="*", default=["specdec"], choices=list(OUR_SERVERS),
+                   help="with --served: this project's servers (specdec-no-prefix-cache: prefix_cache_tokens 0)")
+    p.add_argument("--our-modes", nargs="*", default=list(OUR_MODES), choices=list(OUR_MODES),
+                   help="with --served: this project's modes")
     p.set_defaults(func=_peers)
 
     p = sub.add_parser("predict", help="roofline predictions: one configuration, the regime map, or the "
@@ -170,6 +180,9 @@ def _server_load_args(p) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompts", default="prose", help="prompt set under models/prompts")
+    p.add_argument("--reuse-prompts", action="store_true",
+                   help="send the prompt set as it is, so prefix caches hit on repeats (by default each request's "
+                        "prompt starts with a number of its own: specdec_bench/load.py)")
 
 
 def _emit(args, name: str, data: dict, markdown: str, plots=None) -> None:

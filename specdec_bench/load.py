@@ -45,8 +45,22 @@ def speculation_of(mode: str) -> dict:
     return {**MODES[topology], "num_speculative_tokens": int(k)}
 
 
+# Servers keep prompts' K/V (automatic prefix caching: this one's blocks of 16, vLLM's of 128 on CPU),
+# and a prompt set of 64 repeats across passes and across the modes of an interleaved round, where a
+# later mode would find what an earlier one left. So each request's prompt starts with a number of its
+# own, its first block is its own, and no request finds another's prefix; ``--reuse-prompts`` sends
+# the prompts as they are (what caching buys on repeated prompts).
+_request_numbers = itertools.count(1)
+
+
+def distinct(prompt: str) -> str:
+    return f"{next(_request_numbers)}. {prompt}"
+
+
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, speculation: dict,
                       extra: dict | None = None) -> dict:
+    if not getattr(args, "reuse_prompts", False):
+        prompt = distinct(prompt)
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     if speculation is not None:  # None: a server without the extension field (a peer)

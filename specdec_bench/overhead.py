@@ -22,7 +22,7 @@ import httpx
 import torch
 
 from specdec_bench.common import MODELS_DIR, load_prompts, machine_facts
-from specdec_bench.load import MODES, one_request
+from specdec_bench.load import MODES, distinct, one_request
 from specdec_core import Engine, SamplingParams
 
 
@@ -35,6 +35,7 @@ def in_process(engine: Engine, prompts: list[str], concurrency: int, k: int, max
     """Batches of ``concurrency`` requests, one batch after another (a closed loop's steady state)."""
     tokens, ttft, tpot = 0, [], []
     t0 = time.perf_counter()
+    prompts = [distinct(p) for p in prompts]  # as ``one_request`` sends them: the same prompt lengths
     for start in range(0, len(prompts), concurrency):
         params = [SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
                   for _ in prompts[start:start + concurrency]]

@@ -41,18 +41,26 @@ from specdec_bench.local_app import free_port
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = {"dram": ("models/dram/target", "models/dram/draft"), "tiny": ("models/target", "models/draft")}
 K = 4
+# mode -> (its --speculative-config from the draft's path, or None; further server flags)
 VLLM_MODES = {
-    "vllm-plain": None,
-    "vllm-draft": lambda draft: {"method": "draft_model", "model": draft, "num_speculative_tokens": K},
-    "vllm-ngram": lambda draft: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
-                                 "prompt_lookup_min": 2},
+    "vllm-plain": (None, ()),
+    "vllm-draft": (lambda draft: {"method": "draft_model", "model": draft, "num_speculative_tokens": K}, ()),
+    "vllm-ngram": (lambda draft: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 2}, ()),
+    # Ablation: what vLLM's automatic prefix caching (on by default) buys it on this load.
+    "vllm-plain-no-prefix-cache": (None, ("--no-enable-prefix-caching",)),
 }
+DEFAULT_VLLM_MODES = ("vllm-plain", "vllm-draft", "vllm-ngram")
 OUR_MODES = ("plain", "colocated", "separate", "auto")
+# this project's server -> its config's changes to serve_config.yaml's args
+OUR_SERVERS = {"specdec": {}, "specdec-no-prefix-cache": {"prefix_cache_tokens": 0}}
+ABLATION = "-no-prefix-cache"  # a server or mode so named is never "the best" of its side
 READY_TIMEOUT_S = 600
 MODEL = "specdec"
 
 
 def _wait_ready(url: str, headers: dict, proc: subprocess.Popen, log: Path) -> float:
+    """Seconds until ``url`` answers a completion (this project's answers 503 until all of it runs)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < READY_TIMEOUT_S:
         if proc.poll() is not None:
@@ -83,9 +91,10 @@ def vllm_server(py: Path, target: str, draft: str, mode: str, logs: Path):
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ROOT / target),
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "512", "--no-async-scheduling", "--api-key", key]
-    spec = VLLM_MODES[mode]
+    spec, flags = VLLM_MODES[mode]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec(str(ROOT / draft)))]
+    cmd += flags
     log = logs / f"{mode}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env.runtime_env(),
@@ -98,22 +107,22 @@ def vllm_server(py: Path, target: str, draft: str, mode: str, logs: Path):
         _stop(proc)
 
 
-def family_config(target: str, draft: str, port: int, out: Path) -> Path:
-    """serve_config.yaml with the family's models and another port."""
+def family_config(target: str, draft: str, port: int, out: Path, changes: dict | None = None) -> Path:
+    """serve_config.yaml with the family's models, another port and ``changes`` to its args."""
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     cfg["http_options"]["port"] = port
-    cfg["applications"][0]["args"].update(target=target, draft=draft, model_name=MODEL)
+    cfg["applications"][0]["args"].update(target=target, draft=draft, model_name=MODEL, **(changes or {}))
     path = out / "serve_config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
 @contextlib.contextmanager
-def our_server(target: str, draft: str, logs: Path):
+def our_server(target: str, draft: str, logs: Path, changes: dict | None = None, name: str = "specdec"):
     """``./run serve`` of the default config on the family's models: {"url", "api_key", "ready_s"}."""
     port = free_port()
-    config = family_config(target, draft, port, logs)
-    log = logs / "specdec.log"
+    config = family_config(target, draft, port, logs, changes)
+    log = logs / f"{name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(["bash", str(ROOT / "run"), "serve", str(config)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -128,7 +137,7 @@ def our_server(target: str, draft: str, logs: Path):
 def _pass(server: dict, args, speculation, concurrency: int) -> dict:
     cli = SimpleNamespace(url=server["url"], api_key=server["api_key"], concurrency=concurrency,
                           requests=max(args.requests, 2 * concurrency), max_tokens=args.max_tokens,
-                          temperature=0.0, prompts=args.prompts, user=None)
+                          temperature=0.0, prompts=args.prompts, user=None, reuse_prompts=args.reuse_prompts)
     return asyncio.run(load.run_pass(cli, MODEL, speculation, None))
 
 
@@ -151,7 +160,7 @@ def run_family(name: str, args, py: Path, logs: Path) -> dict:
     target, draft = FAMILIES[name]
     passes, texts, starts = [], {}, {}
     for rep in range(args.repeats):
-        for mode in VLLM_MODES:
+        for mode in args.vllm_modes:
             print(f"[peers] {name}: vLLM {mode} (repeat {rep + 1})", flush=True)
             with vllm_server(py, target, draft, mode, logs) as server:
                 starts.setdefault(mode, []).append(server["ready_s"])
@@ -160,16 +169,18 @@ def run_family(name: str, args, py: Path, logs: Path) -> dict:
                 for c in args.concurrency:
                     passes.append({"server": "vllm", "mode": mode, "concurrency": c, "repeat": rep,
                                    **_keep(_pass(server, args, None, c))})
-        print(f"[peers] {name}: this project (repeat {rep + 1})", flush=True)
-        with our_server(target, draft, logs) as server:
-            starts.setdefault("specdec", []).append(server["ready_s"])
-            if rep == 0:
-                texts["specdec"] = _greedy_text(server, load.MODES["plain"])
-            order = OUR_MODES[rep % len(OUR_MODES):] + OUR_MODES[:rep % len(OUR_MODES)]
-            for c in args.concurrency:
-                for mode in order:
-                    passes.append({"server": "specdec", "mode": mode, "concurrency": c, "repeat": rep,
-                                   **_keep(_pass(server, args, load.MODES[mode], c))})
+        for ours in args.ours:
+            print(f"[peers] {name}: this project, {ours} (repeat {rep + 1})", flush=True)
+            with our_server(target, draft, logs, OUR_SERVERS[ours], ours) as server:
+                starts.setdefault(ours, []).append(server["ready_s"])
+                if rep == 0:
+                    texts.setdefault("specdec", _greedy_text(server, load.MODES["plain"]))
+                modes = tuple(args.our_modes)
+                order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+                for c in args.concurrency:
+                    for mode in order:
+                        passes.append({"server": ours, "mode": mode, "concurrency": c, "repeat": rep,
+                                       **_keep(_pass(server, args, load.MODES[mode], c))})
     return {"family": name, "target": target, "draft": draft, "passes": passes, "cold_start_s": starts,
             "greedy_identical": texts.get("vllm") == texts.get("specdec"), "greedy_texts": texts,
             "summary": summarise(passes)}
@@ -189,7 +200,8 @@ def summarise(passes: list[dict]) -> list[dict]:
                      "errors": sum(p["errors"] for p in got)})
     for c in {r["concurrency"] for r in rows}:
         at = [r for r in rows if r["concurrency"] == c]
-        vllm_best = max((r["tok_s"] for r in at if r["server"] == "vllm"), default=0.0)
+        vllm_best = max((r["tok_s"] for r in at if r["server"] == "vllm" and ABLATION not in r["mode"]),
+                        default=0.0)
         for r in at:
             r["vs_vllm_best"] = r["tok_s"] / vllm_best if vllm_best else None
     return rows

@@ -85,13 +85,15 @@ class Engine:
         cls, target: str, draft: str | None = None, proposer: str | None = None, *, device: str | None = None,
         dtype: str | torch.dtype | None = None, max_batch_size: int = 32, max_model_len: int = 1024,
         trust_remote_code: bool = False, ngram_max_n: int = 4, draft_kv_window: KVWindow | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> Engine:
         """Load a target and its proposer from local paths or hub names (``loading.load_models``):
-        ``proposer`` is "draft" (needs ``draft``) or "ngram", by default "draft" when a draft is given."""
+        ``proposer`` is "draft" (needs ``draft``) or "ngram", by default "draft" when a draft is given;
+        ``prefix_cache_tokens`` > 0 turns on automatic prefix caching (``prefix_cache.py``) for each model."""
         target_runner, tokenizer, prop = load_models(
             target, draft, proposer, device=device, dtype=dtype, max_slots=max_batch_size,
             max_len=max_model_len, trust_remote_code=trust_remote_code, ngram_max_n=ngram_max_n,
-            draft_kv_window=draft_kv_window,
+            draft_kv_window=draft_kv_window, prefix_cache_tokens=prefix_cache_tokens,
         )
         return cls(target_runner, tokenizer, prop, max_batch_size=max_batch_size)
 

@@ -29,6 +29,7 @@ def load_models(
     trust_remote_code: bool = False,
     ngram_max_n: int = 4,
     draft_kv_window: KVWindow | None = None,
+    prefix_cache_tokens: int = 0,
 ) -> tuple[ModelRunner, object, Proposer]:
     """(target runner, target tokenizer, proposer). ``proposer`` is "draft" (needs ``draft``) or
     "ngram"; by default "draft" when a draft is given, else "ngram", so every engine can speculate.
@@ -40,7 +41,7 @@ def load_models(
         raise ValueError("proposer='draft' needs a draft model path")
     tokenizer = load_tokenizer(target, trust_remote_code)
     runner_kw = {"device": device, "dtype": dtype, "max_slots": max_slots, "max_len": max_len,
-                 "trust_remote_code": trust_remote_code}
+                 "trust_remote_code": trust_remote_code, "prefix_cache_tokens": prefix_cache_tokens}
     target_runner = ModelRunner.from_pretrained(target, **runner_kw)
     if proposer == "ngram":
         return target_runner, tokenizer, NgramProposer(max_n=ngram_max_n)

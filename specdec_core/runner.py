@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from specdec_core.fused_llama import FusedLlamaLayers, PackedRows, can_fuse, share_weight
 from specdec_core.kv_cache import KVWindow, SlotKVCache, StepLayout
 from specdec_core.linear import Projection
+from specdec_core.prefix_cache import PrefixCache
 
 # Decoder-only families whose base model is embed -> rotary -> layers(cache=...) -> norm -> lm_head,
 # the structure this runner drives directly.
@@ -94,7 +95,7 @@ class ModelRunner:
     """Batched, ragged forward steps for one model over its own slot KV cache."""
 
     def __init__(self, model: PreTrainedModel, max_slots: int = 32, max_len: int = 1024, name: str = "model",
-                 kv_window: KVWindow | None = None):
+                 kv_window: KVWindow | None = None, prefix_cache_tokens: int = 0):
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -150,6 +151,10 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in model.parameters())
         self._lengths = [0] * max_slots
         self._free = list(range(max_slots))  # a heap: lowest slot first keeps batches contiguous
+        # Released sequences' K/V by blocks, for the next sequence that starts the same way (a
+        # bounded cache's columns are a ring: it keeps none).
+        self.prefix_cache = (PrefixCache(self.num_layers, kv_heads, head_dim, prefix_cache_tokens, self.dtype,
+                                         self.device) if prefix_cache_tokens and kv_window is None else None)
 
     @classmethod
     def from_pretrained(
@@ -162,6 +167,7 @@ class ModelRunner:
         max_len: int = 1024,
         trust_remote_code: bool = False,
         kv_window: KVWindow | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> ModelRunner:
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
@@ -170,7 +176,8 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         ).to(device)
-        return cls(model, max_slots=max_slots, max_len=max_len, name=str(path), kv_window=kv_window)
+        return cls(model, max_slots=max_slots, max_len=max_len, name=str(path), kv_window=kv_window,
+                   prefix_cache_tokens=prefix_cache_tokens)
 
     # ---- slots -------------------------------------------------------------------------------
 
@@ -198,6 +205,20 @@ class ModelRunner:
 
     def length(self, slot: int) -> int:
         return self._lengths[slot]
+
+    def reuse_prefix(self, slot: int, tokens: list[int]) -> int:
+        """Fill an empty slot with the longest stored prefix of ``tokens`` (``PrefixCache``); returns
+        its length, the tokens the slot now holds (0 without a prefix cache or a stored prefix)."""
+        if self.prefix_cache is None or self._lengths[slot]:
+            return 0
+        n = self.prefix_cache.restore(tokens, self.cache.keys, self.cache.values, slot)
+        self._lengths[slot] = n
+        return n
+
+    def keep_prefix(self, slot: int, tokens: list[int]) -> None:
+        """Store the full blocks of ``tokens``, the slot's cached tokens, before the slot is freed."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(tokens[: self._lengths[slot]], self.cache.keys, self.cache.values, slot)
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll a sequence back to ``length`` cached tokens (after a rejection)."""

@@ -4,6 +4,9 @@ Every caller (draft proposer, verifier) receives the authoritative token history
 ``sync``: the slot is rolled back to the longest prefix its cache shares with that history, and the
 rest of the history is what must be fed next. This makes rollback after a rejection implicit and
 makes a lost or stale cache cost a re-prefill rather than a wrong answer.
+
+A new sequence starts from the longest prefix of its history the runner's prefix cache holds
+(``prefix_cache.py``), and a released one leaves its full blocks there.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ class SequenceSlots:
     def sync(self, seq_id: str, history: list[int]) -> list[int]:
         """Roll back to the common prefix with ``history``; return the tokens to feed (at least one)."""
         if seq_id not in self._slot:
-            self._slot[seq_id] = self.runner.allocate()
-            self._cached[seq_id], self._verified[seq_id] = [], 0
+            slot = self._slot[seq_id] = self.runner.allocate()
+            # The last history token is always fed, so it is never looked up.
+            reused = self.runner.reuse_prefix(slot, history[:-1])
+            self._cached[seq_id], self._verified[seq_id] = history[:reused], reused
         cached = self._cached[seq_id]
         common = self._verified[seq_id]
         limit = min(len(cached), len(history))
@@ -54,6 +59,7 @@ class SequenceSlots:
     def release(self, seq_id: str) -> None:
         slot = self._slot.pop(seq_id, None)
         if slot is not None:
+            self.runner.keep_prefix(slot, self._cached[seq_id])
             self.runner.free(slot)
         self._cached.pop(seq_id, None)
         self._verified.pop(seq_id, None)

@@ -1,0 +1,59 @@
+"""Start-up: completions are refused (503, code "starting") until every deployment runs, instead of
+waiting behind a replica that is not up (an auto request routed to a co-located replica that was still
+calibrating waited 58 s). The co-located pool here never starts: its calibration file does not parse."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from served import app_args, free_port
+
+from specdec_bench.local_app import serving_environment
+
+pytestmark = pytest.mark.timeout(240)
+APP = "startup"
+
+
+def _deployment_status(serve, name: str) -> str | None:
+    app = serve.status().applications.get(APP)  # None until the thread's deploy reached the controller
+    deployment = app.deployments.get(name) if app else None
+    return deployment.status if deployment else None
+
+
+def test_completions_are_refused_until_every_deployment_runs(tiny_models, tmp_path):
+    serving_environment()
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    broken = tmp_path / "calibration.json"
+    broken.write_text("{not json")
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # serve.run waits for an app that never runs (and raises once Serve gives up on it): in a thread
+        threading.Thread(target=serve.run, args=(build_app(app_args(tiny_models, str(broken))),),
+                         kwargs={"name": APP, "route_prefix": "/"}, daemon=True).start()
+        deadline = time.monotonic() + 180
+        while not all(_deployment_status(serve, d) == "HEALTHY" for d in ("Router", "PlainPool")):
+            assert time.monotonic() < deadline, serve.status()
+            time.sleep(0.5)
+        assert _deployment_status(serve, "ColocatedPool") != "HEALTHY"
+        body = {"model": "tiny", "prompt": "It is a truth", "max_tokens": 4, "speculation": {"mode": "plain"}}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            while True:  # the proxy routes to the app once it has seen the Router's replica
+                r = client.post("/v1/completions", json=body)
+                if r.status_code != 404 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert r.status_code == 503, r.text  # the plain pool could answer: the service is still starting
+            assert r.json()["error"]["code"] == "starting"
+            assert client.get("/health").status_code == 503
+    finally:
+        serve.shutdown()
+        ray.shutdown()
