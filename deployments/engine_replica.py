@@ -143,6 +143,9 @@ class EngineReplica:
             streams=len(self.engine._streams), served=self._served, aborted=self._aborted,
             adaptive=e.adaptive is not None, costs_source=self._costs_source,
             drift={b: dataclasses.asdict(d) for b, d in e.adaptive.view.drift.buckets.items()} if e.adaptive else {},
+            prefix_cache={name: runner.prefix_cache.stats() for name, runner in
+                          (("target", e.target), ("draft", getattr(e.proposer, "runner", None)))
+                          if runner is not None and runner.prefix_cache is not None},
         )
 
     def check_health(self) -> None:

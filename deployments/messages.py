@@ -84,6 +84,8 @@ class EngineStats:
     costs_source: str | None
     # adaptive K's drift (the router's, once a request brought it), per batch bucket (log2)
     drift: dict = field(default_factory=dict)
+    # automatic prefix caching per model ("target", "draft"): PrefixCache.stats(); empty when off
+    prefix_cache: dict = field(default_factory=dict)
 
     @property
     def sessions(self) -> int:

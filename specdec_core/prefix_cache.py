@@ -54,6 +54,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def stats(self) -> dict:
+        """Counters as vLLM's prefix cache metrics have them: tokens looked up, tokens found."""
+        return {"looked_up_tokens": self.looked_up_tokens, "hit_tokens": self.hit_tokens, "blocks": len(self),
+                "capacity_blocks": self.capacity, "block_size": self.block_size}
+
     def _chain(self, tokens: list[int]) -> list[int]:
         """Ids of the stored blocks that start ``tokens``, in order (each marked recently used)."""
         parent, found, size = ROOT, [], self.block_size

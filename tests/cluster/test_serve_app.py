@@ -196,6 +196,26 @@ def test_greedy_identical_across_paths(client):
             assert spec["proposed_tokens"] > 0 and 1.0 <= spec["mean_acceptance_length"] <= 5.0
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_with_the_same_output(server, client):
+    """Automatic prefix caching served: the second time a 60-token prompt comes, every engine pool's
+    target finds its blocks (GET /v1/stats) and every path answers as the first time."""
+    prompt = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+              "in want of a wife. However little known the feelings or views of such a man may be")
+
+    def hits() -> dict:
+        return {pool: sum(r["prefix_cache"]["target"]["hit_tokens"] for r in stats(server)[pool])
+                for pool in ("plain", "colocated")}
+
+    first = {name: complete(client, prompt, speculation=spec) for name, spec in PATHS.items()}
+    before = hits()
+    again = {name: complete(client, prompt, speculation=spec) for name, spec in PATHS.items()}
+    after = hits()
+    for name in PATHS:
+        assert again[name]["choices"][0]["token_ids"] == first[name]["choices"][0]["token_ids"], name
+    assert first["plain"]["usage"]["prompt_tokens"] >= 48
+    assert all(after[pool] - before[pool] >= 32 for pool in before), (before, after)
+
+
 def test_stop_string_identical_across_paths(client):
     ref = complete(client, prompt="In the beginning", max_tokens=40, speculation=PLAIN)["choices"][0]["text"]
     starts = [i for i in range(3, len(ref) - 1) if ref[i:i + 2].isascii() and ref[i:i + 2].isalnum()]
@@ -241,6 +261,32 @@ def test_engine_replicas_send_a_non_streamed_output_as_one_message(server, clien
         before = stats(server)["router"]["engine_messages"]
         assert complete(client, max_tokens=40, speculation=spec)["usage"]["completion_tokens"] == 40
         assert stats(server)["router"]["engine_messages"] == before + 1
+
+
+def test_streams_under_load_send_fewer_deltas(server):
+    """All streams together send at most ``stream_max_deltas_per_s`` (100) deltas a second: the i-th of 16
+    concurrent streamed requests goes out every max(20 ms, i / 100 s), not every 20 ms, and every
+    stream still arrives whole."""
+    import concurrent.futures
+
+    body = {"model": "tiny", "prompt": "It is a truth", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stream": True, "speculation": PLAIN}
+
+    def one(_):
+        with httpx.Client(base_url=server["url"], timeout=120) as c:
+            events = sse_events(c.post("/v1/completions", json=body).text.splitlines())
+            return sum(len(e["choices"][0]["text"]) > 0 for e in events if isinstance(e, dict) and e.get("choices"))
+
+    before = stats(server)["router"]["engine_messages"]
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        chunks = list(pool.map(one, range(16)))
+    wall = time.perf_counter() - t0
+    sent = stats(server)["router"]["engine_messages"] - before
+    assert all(c >= 1 for c in chunks)
+    # each stream's first and last delta go out at once; the rest at most 100 a second in all (x1.25 slack
+    # for the requests still starting; one interval per step, as before, sent ~160 a second here)
+    assert (sent - 2 * 16) / wall <= 1.25 * 100, (sent, wall)
 
 
 def test_concurrent_greedy_equal_solo(server, client):
