@@ -187,10 +187,6 @@ class AppConfig(BaseModel):
                                      "tokens of the steps within this interval as one message (the first "
                                      "at once); 0: one message per step. Non-streamed requests get one "
                                      "message in all. Ray Serve LLM batches streams the same way.")
-    stream_max_deltas_per_s: float = Field(100.0, gt=0, description="Streamed requests in flight send at most "
-                                           "this many messages a second in all: under load a request's "
-                                           "interval widens to (requests in flight) / this (the first token "
-                                           "still goes at once).")
     migration_limit: int = Field(3, ge=0, description="Times one request may move to another replica or pool "
                                  "when the replica serving it dies (0: a replica death fails its requests).")
     step_timeout_s: float = Field(2.0, gt=0, description="Separate topology: a replica that does not answer a "

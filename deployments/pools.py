@@ -188,15 +188,8 @@ class Pools:
         return (up or others or [lost])[0]
 
     def _interval(self, run: Execution) -> float | None:
-        """How often a request's deltas go out: once if not streamed; streamed, per ``stream_interval_s``,
-        widened so that the requests in flight send at most ``stream_max_deltas_per_s`` in all. Each delta
-        is two Ray messages (replica -> router -> proxy) whose Python holds the GIL beside an engine
-        thread's forwards; at concurrency 8 a 0.1 s interval served 15-19% more tokens/s than 0.02 s
-        (BENCHMARKS.md, "Stream deltas under load")."""
-        if not run.plan.stream:
-            return None
-        in_flight = sum(self.active.values())  # this request included (``generate`` counted it)
-        return max(self._cfg.stream_interval_s, in_flight / self._cfg.stream_max_deltas_per_s)
+        """How often a request's deltas go out: per ``stream_interval_s`` streamed, once otherwise."""
+        return self._cfg.stream_interval_s if run.plan.stream else None
 
     async def _run_engine(self, run: Execution, resume: Resume | None) -> AsyncIterator[Delta]:
         params = run.plan.params_for(run.pool)

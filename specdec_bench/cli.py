@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-modes", nargs="*", default=list(DEFAULT_VLLM_MODES), choices=list(VLLM_MODES),
                    help="with --served: vLLM's modes (vllm-plain-no-prefix-cache: the ablation)")
     p.add_argument("--ours", nargs="*", default=["specdec"], choices=list(OUR_SERVERS),
-                   help="with --served: this project's servers (ablations: specdec-no-prefix-cache, "
-                        "specdec-unbudgeted-streams)")
+                   help="with --served: this project's servers (specdec-no-prefix-cache: the ablation)")
     p.add_argument("--our-modes", nargs="*", default=list(OUR_MODES), choices=list(OUR_MODES),
                    help="with --served: this project's modes")
     p.set_defaults(func=_peers)

@@ -53,9 +53,7 @@ VLLM_MODES = {
 DEFAULT_VLLM_MODES = ("vllm-plain", "vllm-draft", "vllm-ngram")
 OUR_MODES = ("plain", "colocated", "separate", "auto")
 # this project's server -> its config's changes to serve_config.yaml's args
-OUR_SERVERS = {"specdec": {}, "specdec-no-prefix-cache": {"prefix_cache_tokens": 0},
-               # every stream every 20 ms whatever the load (before stream_max_deltas_per_s)
-               "specdec-unbudgeted-streams": {"stream_max_deltas_per_s": 1e9}}
+OUR_SERVERS = {"specdec": {}, "specdec-no-prefix-cache": {"prefix_cache_tokens": 0}}
 ABLATION = "-no-prefix-cache"  # a server or mode so named is never "the best" of its side
 READY_TIMEOUT_S = 600
 MODEL = "specdec"
