@@ -173,8 +173,8 @@ def run_family(name: str, args, py: Path, logs: Path) -> dict:
             print(f"[peers] {name}: this project, {ours} (repeat {rep + 1})", flush=True)
             with our_server(target, draft, logs, OUR_SERVERS[ours], ours) as server:
                 starts.setdefault(ours, []).append(server["ready_s"])
-                if rep == 0:
-                    texts.setdefault("specdec", _greedy_text(server, load.MODES["plain"]))
+                if "specdec" not in texts:
+                    texts["specdec"] = _greedy_text(server, load.MODES["plain"])
                 modes = tuple(args.our_modes)
                 order = modes[rep % len(modes):] + modes[:rep % len(modes)]
                 for c in args.concurrency:
@@ -182,7 +182,9 @@ def run_family(name: str, args, py: Path, logs: Path) -> dict:
                         passes.append({"server": ours, "mode": mode, "concurrency": c, "repeat": rep,
                                        **_keep(_pass(server, args, load.MODES[mode], c))})
     return {"family": name, "target": target, "draft": draft, "passes": passes, "cold_start_s": starts,
-            "greedy_identical": texts.get("vllm") == texts.get("specdec"), "greedy_texts": texts,
+            # None: vllm-plain or this project's server did not run, so nothing was compared
+            "greedy_identical": texts["vllm"] == texts["specdec"] if len(texts) == 2 else None,
+            "greedy_texts": texts,
             "summary": summarise(passes)}
 
 
