@@ -4,7 +4,6 @@ calibrating waited 58 s). The co-located pool here never starts: its calibration
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -36,9 +35,11 @@ def test_completions_are_refused_until_every_deployment_runs(tiny_models, tmp_pa
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # serve.run waits for an app that never runs (and raises once Serve gives up on it): in a thread
-        threading.Thread(target=serve.run, args=(build_app(app_args(tiny_models, str(broken))),),
-                         kwargs={"name": APP, "route_prefix": "/"}, daemon=True).start()
+        # serve.run would wait for an app that never runs: deploy without waiting. (A thread left inside
+        # serve.run outlived ray.shutdown(), re-initialised Ray on its own and, once that cluster went,
+        # Ray's driver ended the whole pytest process with exit 1.)
+        serve.run_many([serve.RunTarget(build_app(app_args(tiny_models, str(broken))), name=APP, route_prefix="/")],
+                       wait_for_applications_running=False)
         deadline = time.monotonic() + 180
         while not all(_deployment_status(serve, d) == "HEALTHY" for d in ("Router", "PlainPool")):
             assert time.monotonic() < deadline, serve.status()

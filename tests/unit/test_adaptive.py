@@ -10,6 +10,7 @@ from specdec_core import AcceptanceTracker, AdaptiveK, Engine, NgramProposer, St
 from specdec_core.adaptive import PROBE_K, KState, Phase, Regret, next_class_state, next_state, stop
 from specdec_core.calibration import calibrate
 from specdec_core.cost_view import CostView
+from specdec_core.proposers.base import Proposal, ProposalRequest
 
 # Synthetic costs shaped like docs/ARCHITECTURE.md's CPU table: a cheap draft, a verify ~1.5x a plain step at
 # batch 1 and ~3.4x at batch 64.
@@ -28,8 +29,35 @@ def plain_reference(tiny_models):
     return [o.token_ids for o in eng.generate(PROMPTS, max_new_tokens=40, mode="plain")]
 
 
+class OracleDraft:
+    """A draft that knows the plain output: every token it proposes is accepted, and it costs nothing.
+    (The target as its own draft is aligned too, but it costs a target forward per draft token, so
+    its speculation is near break-even and the regret guard, which measures real steps, may trip on
+    a loaded machine.)"""
+
+    name = "oracle"
+    proposes_full_k = True
+
+    def __init__(self, sequences: list[list[int]]):
+        self.sequences = sequences  # [prompt + plain output] per prompt
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        return [Proposal(self._continuation(r.token_ids, r.k), None) for r in requests]
+
+    def _continuation(self, history: list[int], k: int) -> list[int]:
+        full = next(s for s in self.sequences if s[:len(history)] == history)
+        return full[len(history):len(history) + k]
+
+    def release(self, seq_id: str) -> None:
+        return None
+
+    def num_sequences(self) -> int:
+        return 0
+
+
 def test_auto_speculates_with_an_aligned_draft(tiny_models, plain_reference):
-    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["target"], max_model_len=256)
+    base = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256)
+    eng = base.sibling(OracleDraft([base.encode(p) + out for p, out in zip(PROMPTS, plain_reference)]))
     eng.enable_adaptive(COSTS)
     outs = eng.generate(PROMPTS, max_new_tokens=40, mode="auto", num_speculative_tokens=8)
     assert [o.token_ids for o in outs] == plain_reference
