@@ -74,14 +74,14 @@ class _Codecs:
         self.results = {m: Codec(res) for m, (_, res) in methods.items()}
 
 
-async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
     if length > max_bytes:  # refused before a byte of it is buffered
         raise FrameError(f"frame of {length} bytes over the bound of {max_bytes}")
     return await reader.readexactly(length)
 
 
-def _frame(payload: bytes) -> bytes:
+def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
@@ -121,7 +121,7 @@ class ChannelServer:
         peer = next(self._peers)
         try:
             while True:
-                call_id, method, arg = self._decode_call(await _read_frame(reader, self._max_frame_bytes))
+                call_id, method, arg = self._decode_call(await read_frame(reader, self._max_frame_bytes))
                 task = asyncio.get_running_loop().create_task(self._answer(writer, peer, call_id, method, arg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -164,7 +164,7 @@ class ChannelServer:
             logger.exception("channel call %s failed", method)
             reply = Reply(call_id, False, msgspec.Raw(MESSAGE.encode(f"{type(exc).__name__}: {exc}")))
         if not writer.is_closing():
-            writer.write(_frame(ENVELOPE.encode(reply)))
+            writer.write(frame(ENVELOPE.encode(reply)))
 
 
 class Channel:
@@ -201,7 +201,7 @@ class Channel:
         call_id = next(self._ids)
         future = self._pending[call_id] = asyncio.get_running_loop().create_future()
         argument = self._codecs.arguments[method].encode(arg)
-        self._writer.write(_frame(ENVELOPE.encode(Call(call_id, method, msgspec.Raw(argument)))))
+        self._writer.write(frame(ENVELOPE.encode(Call(call_id, method, msgspec.Raw(argument)))))
         try:
             ok, result = await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
@@ -223,7 +223,7 @@ class Channel:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                reply: Reply = REPLY.decode(await _read_frame(reader, self._max_frame_bytes))
+                reply: Reply = REPLY.decode(await read_frame(reader, self._max_frame_bytes))
                 future = self._pending.get(reply.call_id)
                 if future is not None and not future.done():
                     future.set_result((reply.ok, reply.result))

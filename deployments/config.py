@@ -127,6 +127,9 @@ class AppConfig(BaseModel):
                                      "request that starts the same way skips that prefill. 0: off.")
     trust_remote_code: bool = Field(False, description="Pass trust_remote_code to transformers when loading.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
+    engine_process: bool = Field(True, description="Plain and co-located replicas run their engine in a process of "
+                                 "its own (deployments/engine_process.py), so its steps do not share a GIL with the "
+                                 "replica's event loop and Ray's threads; false: on a thread of the replica.")
 
     # ---- speculation ----------------------------------------------------------------------------
     default_k: int = Field(4, ge=1, le=16, description="K of an explicit speculative request that gives none "

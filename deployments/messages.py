@@ -56,6 +56,11 @@ class Delta:
         return cls(out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                    out.stats if out.finished else None)
 
+    def merged(self, later: Delta) -> Delta:
+        """This delta followed by ``later``, as one (what a stream sends when it coalesces steps)."""
+        return Delta(self.token_ids + later.token_ids, self.text + later.text, later.finished, later.finish_reason,
+                     later.stats)
+
 
 @dataclass(frozen=True)
 class ReplicaCosts:

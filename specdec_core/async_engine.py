@@ -10,17 +10,26 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 from specdec_core.engine import Engine, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-async def coalesced(outputs: AsyncIterator[RequestOutput], interval_s: float | None
-                    ) -> AsyncIterator[RequestOutput]:
-    """The outputs of a request's steps, merged into one per ``interval_s`` (the first and the last go
-    out at once; None: one output at the end): every message a stream sends costs its sender, the
-    router and the proxy CPU time that the steps share."""
+class Mergeable(Protocol):
+    finished: bool
+
+    def merged(self, later: Any) -> Any: ...
+
+
+M = TypeVar("M", bound=Mergeable)
+
+
+async def coalesced(outputs: AsyncIterator[M], interval_s: float | None) -> AsyncIterator[M]:
+    """The outputs of a request's steps (``RequestOutput``s, or a replica's ``Delta``s), merged into one
+    per ``interval_s`` (the first and the last go out at once; None: one output at the end): every
+    message a stream sends costs its sender, the router and the proxy CPU time that the steps share."""
     pending, sent_at = None, float("-inf")  # the first tokens go out at once (time to first token)
     async for out in outputs:
         pending = out if pending is None else pending.merged(out)
@@ -78,6 +87,9 @@ class AsyncEngine:
         async for out in self.stream(prompt, params, request_id):
             final = out
         return final
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         with self._wake:

@@ -1,5 +1,6 @@
 """Replica faults on a served app (tiny models, one replica per deployment): a model replica killed
-mid-stream (ray.kill, as a crash) costs its requests nothing. Engine pools and the Target migrate
+mid-stream (ray.kill, as a crash), or an engine replica's engine process killed (the replica then
+exits), costs its requests nothing. Engine pools and the Target migrate
 the request (prompt + the tokens emitted so far prefilled elsewhere); a dead Draft turns the
 request's remaining steps plain. The client's stream is the fault-free output, whole, with no
 error event."""
@@ -7,7 +8,10 @@ error event."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -46,6 +50,27 @@ def kill_replicas(deployment: str) -> int:
     return len(names)
 
 
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def kill_engine_processes(deployment: str) -> int:
+    """SIGKILL the engine process (deployments/engine_process.py) of each of the deployment's replicas."""
+    killed = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if "deployments.engine_process" not in _cmdline(pid):
+            continue
+        status = Path(f"/proc/{pid}/status").read_text()
+        parent = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+        if f"ServeReplica:{APP}:{deployment}" in _cmdline(parent):  # the replica's process title
+            os.kill(int(pid), signal.SIGKILL)
+            killed += 1
+    return killed
+
+
 def wait_running(timeout: float = 120.0) -> None:
     from ray import serve
 
@@ -55,9 +80,12 @@ def wait_running(timeout: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("deployment, path", [("PlainPool", "plain"), ("ColocatedPool", "colocated"),
-                                              ("Target", "separate"), ("Draft", "separate")])
-def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
+@pytest.mark.parametrize("deployment, path, kill", [
+    ("PlainPool", "plain", kill_replicas), ("ColocatedPool", "colocated", kill_replicas),
+    ("Target", "separate", kill_replicas), ("Draft", "separate", kill_replicas),
+    ("PlainPool", "plain", kill_engine_processes),  # the replica's engine process alone: the replica follows it
+], ids=["PlainPool", "ColocatedPool", "Target", "Draft", "PlainPool-engine-process"])
+def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path, kill):
     wait_running()
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_LEN - len(PROMPT), "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "speculation": PATHS[path]}
@@ -73,7 +101,7 @@ def test_a_replica_killed_mid_stream_loses_nothing(server, deployment, path):
                     if event != "[DONE]" and event.get("choices"):
                         ids += event["choices"][0].get("token_ids") or []
                 if not killed and len(ids) >= 20:
-                    killed = kill_replicas(deployment)
+                    killed = kill(deployment)
                     killed_at = time.monotonic()
     assert killed == 1
     if path == "separate":  # the dead replica's closed channel said so: no step waited for a timeout
