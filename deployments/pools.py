@@ -117,7 +117,8 @@ class Pools:
                     if delta.finished:
                         per_token = _decode_time_per_token(t_first, n_first, n_out, delta)
                         if per_token:
-                            run.realised_speedup = self._route_state.realised_speedup(run.plan.batch, per_token)
+                            batch = (delta.stats.mean_decode_batch if delta.stats else 0.0) or run.plan.batch
+                            run.realised_speedup = self._route_state.realised_speedup(batch, per_token)
                     yield delta
             finally:
                 await gen.aclose()

@@ -234,9 +234,12 @@ class RouteState:
     def learn(self, pool: str, batch: int, cls: TrafficClass, stats: RequestStats, seconds_per_token: float,
               migrated: bool) -> None:
         """A request finished: its judged draft tokens teach the acceptance estimate of its class, its
-        measured time per token the served drift (not after a migration: a re-prefill is no step time)."""
+        measured time per token the served drift (not after a migration: a re-prefill is no step time)
+        at the batch its decode steps ran in (``batch``, the one it joined, only when it ran none: in a
+        closed loop a request that joined an idle pool decodes beside the ones that follow it, and
+        timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration)."""
         if seconds_per_token and not migrated:
-            self.observe_timing(pool, batch, stats, seconds_per_token, cls)
+            self.observe_timing(pool, stats.mean_decode_batch or batch, stats, seconds_per_token, cls)
         if stats.proposed:
             self.observe(cls, stats)
 
@@ -247,7 +250,7 @@ class RouteState:
         if sum(judged):
             self.tracker.observe_request(cls, judged, stats.accepted_per_position, stats.verify_steps or 1)
 
-    def observe_timing(self, pool: str, batch: int, stats: RequestStats, seconds_per_token: float,
+    def observe_timing(self, pool: str, batch: float, stats: RequestStats, seconds_per_token: float,
                        cls: TrafficClass | None = None) -> None:
         """A finished request's measured decode time per token against the step the cost model
         priced, learnt per batch bucket for plain steps, co-located speculative steps and the
@@ -275,7 +278,7 @@ class RouteState:
         measured = seconds_per_token * (stats.mean_acceptance_length if verify else 1.0)
         self.drift.observe(k, measured, model.calibrated_step_time(batch, k), batch)
 
-    def realised_speedup(self, batch: int, seconds_per_token: float) -> float | None:
+    def realised_speedup(self, batch: float, seconds_per_token: float) -> float | None:
         """Plain step time per token at this batch (the cost model) / the request's measured decode
         time per token; ~1 for plain requests when the costs are right."""
         if seconds_per_token <= 0:

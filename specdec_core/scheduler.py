@@ -234,6 +234,8 @@ class Scheduler:
             self._commit_decode(plan, result, result.verified[n_prefill:])
         for req in plan.decode:
             req.stats.decode_s += timing.total_s - timing.prefill_s
+            req.stats.decode_steps += 1
+            req.stats.decode_batch_rows += len(plan.decode)
         self.running = [r for r in self.running if not r.finished]
         return [r.output(stream_text) for r in plan.aborted + plan.rows]
 

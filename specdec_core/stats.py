@@ -24,6 +24,8 @@ class RequestStats:
     proposal_lengths: list[int] = field(default_factory=list)  # [K+1] steps by tokens proposed (0 = plain)
     prefill_s: float = 0.0  # target prefill, including queueing in its step
     decode_s: float = 0.0  # sum of the wall times of the steps this request took part in
+    decode_steps: int = 0  # decode steps it took part in (its prefill's is not one)
+    decode_batch_rows: int = 0  # the decode batch of each of those steps, summed
     first_token_s: float = 0.0  # from arrival to the first emitted token
     latency_s: float = 0.0  # from arrival to finish
 
@@ -34,6 +36,12 @@ class RequestStats:
     @property
     def mean_acceptance_length(self) -> float:
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 1.0
+
+    @property
+    def mean_decode_batch(self) -> float:
+        """The batch it decoded in, on average over its decode steps (0.0 without any): requests join and
+        leave a running batch, so the batch at its arrival says little of the steps it ran."""
+        return self.decode_batch_rows / self.decode_steps if self.decode_steps else 0.0
 
     def record_verify(self, num_proposed: int, num_accepted: int) -> None:
         """One verify step: positions 0..num_accepted were judged (the first rejection ends the step)."""

@@ -118,6 +118,15 @@ def test_batched_equals_one_at_a_time(engine):
         assert solo.token_ids == batched[i].token_ids
 
 
+def test_stats_say_the_batch_a_request_decoded_in(engine):
+    """Two requests together, then one of them alone: the short one decoded at batch 2 throughout, the
+    long one at 2 for its first steps and at 1 after (what the router learns served drift at)."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 12)]
+    short, long_ = engine.generate(PROMPTS[:2], params=params)
+    assert (short.stats.decode_steps, short.stats.mean_decode_batch) == (3, 2.0)
+    assert long_.stats.decode_steps == 11 and long_.stats.mean_decode_batch == pytest.approx((3 * 2 + 8) / 11)
+
+
 def test_seeded_sampling_is_deterministic(engine):
     a = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, num_speculative_tokens=4, seed=5)
     b = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, num_speculative_tokens=4, seed=5)

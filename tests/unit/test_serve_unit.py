@@ -352,6 +352,19 @@ def test_served_step_times_correct_the_routing():
     assert route(loads, state=st).pool == "plain"
 
 
+def test_served_timing_is_learnt_at_the_batch_the_request_decoded_in():
+    """A request that joined an idle pool (batch 1) and then decoded beside seven others teaches the
+    drift of batch 8, not of batch 1: its steps cost batch-8 steps."""
+    st = _state(costs=_compute_bound_costs())
+    cm = st.cost_model()
+    plain = _served_stats(k=0, decode_steps=40)
+    plain.decode_steps, plain.decode_batch_rows = 40, 40 * 8
+    for _ in range(5):
+        st.learn("plain", 1, TrafficClass.of("d", 0.0), plain, cm.calibrated_step_time(8, 0), migrated=False)
+    drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+    assert list(drift) == [3] and drift[3]["plain"] == pytest.approx(1.0), drift  # bucket of batch 8, as calibrated
+
+
 def test_separate_overlap_and_k_from_the_cost_model():
     """The separate loop's choices, in Theorem 3.8's world (a verify costs one plain step, 1 s; a
     draft forward c s): overlap where the draft is as costly as the verify and acceptance is high,
