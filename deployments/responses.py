@@ -35,16 +35,17 @@ def speculation(run: Execution, stats: RequestStats, costs_source: str) -> dict:
         "mean_acceptance_length": stats.mean_acceptance_length,
         "verify_steps": stats.verify_steps,
         "plain_steps": stats.plain_steps,  # decode steps without draft tokens (adaptive K = 0)
-        # draft tokens per decode step (the first plain step is the prefill): what adaptive K or a
-        # budgeted plan gave this request; accepted per proposed is what each bought
-        "mean_k": stats.proposed / max(1, stats.verify_steps + stats.plain_steps - 1),
+        # draft tokens per decode step: what adaptive K or a budgeted plan gave this request; accepted
+        # per proposed is what each bought
+        "mean_k": stats.proposed / max(1, stats.decode_steps),
         "pool": run.pool,
         "adaptive_k": plan.params.adaptive_k,
         "probe": plan.probe,
         "regime": d.regime,
         "predicted_speedup": d.predicted_speedup,
         "realised_speedup": run.realised_speedup,
-        "batch": plan.batch,
+        "batch": plan.batch,  # the batch it joined
+        "mean_batch": stats.mean_decode_batch,  # the batch its decode steps ran in, on average
         "route_reason": d.reason,
         "costs_source": costs_source,
         "migrations": run.migrations,

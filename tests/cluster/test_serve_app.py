@@ -374,7 +374,7 @@ def test_auto_speculates_single_greedy_request(client, server):
     assert (spec["pool"], spec["topology"], spec["mode"], spec["regime"]) == (
         "colocated", "colocated", "speculative", "favorable"), spec
     assert spec["adaptive_k"] and 1 <= spec["num_speculative_tokens"] <= 8
-    assert spec["predicted_speedup"] > 1.05 and spec["batch"] == 1
+    assert spec["predicted_speedup"] > 1.05 and spec["batch"] == 1 and spec["mean_batch"] == 1.0  # alone throughout
     assert spec["costs_source"].startswith("file:")  # the replica's calibration reached the router
     assert spec["realised_speedup"] is not None and spec["realised_speedup"] > 0
     assert out["usage"]["completion_tokens"] == 32
