@@ -14,7 +14,7 @@ Ray Serve 2.60 bug (docs/ARCHITECTURE.md, Facts): a non-FIFO request router inde
 (``asyncio.gather``) share that id; the second is never indexed and its routing never completes.
 ``pinned_gather`` gives each call a fresh internal request id in the serve request context before
 issuing it. That touches private API (``ray.serve.context._serve_request_context``);
-tests/cluster/test_serve_app.py::test_session_affinity_gather_regression covers it.
+tests/cluster/serve_app/test_app_affinity.py::test_session_affinity_gather_regression covers it.
 """
 
 from __future__ import annotations

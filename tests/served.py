@@ -37,6 +37,22 @@ def running_app(args: dict, app: str = APP, metrics_port: int | None = None):
 #   with the target far less; tests that need the prior use a fresh `user`, i.e. a fresh class).
 # With a = 0.9 speculation then pays at batch <= 6 (K=1: 1.06x at batch 6) and not from batch 7 on.
 ACCEPTANCE_PRIOR = 0.9
+# The proxy's header timeout for the served-app tests (deployments/proxy_edge.py), short enough for a test.
+HEADER_TIMEOUT_S = 2.0
+# A request without ignore_eos must end at EOS on every path. The random tiny target never emits
+# its EOS token early, so the served app's copy of it also lists as EOS (generation_config.json, read by
+# the engines and the router alike) the token its greedy output for EOS_PROMPT has at EOS_AT.
+EOS_PROMPT, EOS_AT = [9, 4, 21], 5
+
+
+def greedy_ids(model_path: str, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation of ``prompt``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 def synthetic_costs():

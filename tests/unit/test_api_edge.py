@@ -1,6 +1,6 @@
 """The router's HTTP edge (``deployments/api.py``) on its own ASGI app, through httpx's ASGI
 transport: checks that run before a body is read (size limits, API key) and the OpenAI error shape
-of 404/405. The served app runs the same middleware (tests/cluster/test_serve_app.py covers it there)."""
+of 404/405. The served app runs the same middleware (tests/cluster/serve_app/ covers it there)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The HTTP server's own edge (``deployments/proxy_edge.py``) on a real uvicorn server, both of its HTTP
 implementations, over raw sockets: read timeouts, the connection bound, OpenAI-shaped answers to
 what does not parse as HTTP, and that none of it cuts a kept-alive connection or a long stream.
-(tests/cluster/test_serve_app.py checks that Serve's proxy installs it.)"""
+(tests/cluster/serve_app/test_app_basics.py checks that Serve's proxy installs it.)"""
 
 from __future__ import annotations
 
