@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from autoscaling.exploration import Exploration
 from specdec_core.acceptance import TrafficClass
 from specdec_core.costmodel import CostModel, KChoice
+from specdec_core.step_planner import budgeted_choice
 
 MODES = ("auto", "speculative", "plain")
 OBJECTIVES = ("latency", "throughput")
@@ -133,6 +134,9 @@ class RoutingContext:
     # The same pools priced at the calibration's short context: whether the context decided (empty:
     # the context does not change the price)
     short_context_models: Mapping[str, CostModel] = field(default_factory=dict)
+    # Topologies whose replicas plan every step for the batch (budgeted verification): priced by that
+    # plan (``step_planner.budgeted_choice``) instead of one K for every row
+    budgeted: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,30 @@ class _Option:
     choice: KChoice
 
 
+def price(model: CostModel, topology: str, batch: int, a: float, k_max: int, budgeted: bool = False) -> KChoice:
+    """The best speculation ``topology`` offers at ``batch`` and acceptance ``a``: one K for the request
+    (``CostModel.best_k``), or, in a pool that plans its steps (``budgeted``), what its plan would give a
+    batch of such rows (each row priced at ``a`` per position, as the replica prices a row that carries
+    the router's class estimate)."""
+    if budgeted:
+        return budgeted_choice(model, batch, (a,) * k_max, topology)
+    return model.best_k(batch, a, k_max, topology)
+
+
+def break_even_batch(model: CostModel, topology: str, a: float, k: int, k_max: int, budgeted: bool = False
+                     ) -> int | None:
+    """The smallest batch in the calibrated range where speculation stops paying: K=``k`` against plain,
+    or, budgeted, the batch whose plan is plain. None: it pays across the range."""
+    if not budgeted:
+        return model.break_even_batch(a, k, topology)
+    lo, hi = model.costs.batches[0], model.costs.batches[-1]
+    return next((b for b in range(lo, hi + 1) if price(model, topology, b, a, k_max, True).k == 0), None)
+
+
+def _best(ctx: RoutingContext, topology: str, batch: int, a: float, model: CostModel | None = None) -> KChoice:
+    return price(model or ctx.cost_models[topology], topology, batch, a, ctx.k_max, topology in ctx.budgeted)
+
+
 def _spec_options(ctx: RoutingContext) -> list[_Option]:
     """Best K per available spec topology, at the batch the request would join."""
     options = []
@@ -216,7 +244,7 @@ def _spec_options(ctx: RoutingContext) -> list[_Option]:
         load = ctx.loads.get(t)
         if t in ctx.cost_models and load is not None and load.replicas > 0:
             b = load.joined_batch()
-            options.append(_Option(t, b, ctx.cost_models[t].best_k(b, ctx.acceptance, ctx.k_max, t)))
+            options.append(_Option(t, b, _best(ctx, t, b, ctx.acceptance)))
     return options
 
 
@@ -235,9 +263,9 @@ def _regime(ctx: RoutingContext, best: _Option | None) -> str:
         evidence=ctx.evidence,
         cost_ratio=cm.cost_ratio(best.batch),
         speedup=best.choice.predicted_speedup,
-        speedup_batch1=cm.best_k(1, a, ctx.k_max, best.topology).predicted_speedup,
-        speedup_no_hop=no_hop.best_k(best.batch, a, ctx.k_max, best.topology).predicted_speedup,
-        speedup_short_context=short.best_k(best.batch, a, ctx.k_max, best.topology).predicted_speedup,
+        speedup_batch1=_best(ctx, best.topology, 1, a).predicted_speedup,
+        speedup_no_hop=_best(ctx, best.topology, best.batch, a, no_hop).predicted_speedup,
+        speedup_short_context=_best(ctx, best.topology, best.batch, a, short).predicted_speedup,
     )
     return classify_regime(ev, ctx.thresholds)
 

@@ -22,12 +22,15 @@ from autoscaling.routing import (
     PLAIN_POOL,
     POOLS,
     SPEC_TOPOLOGIES,
+    Pool,
     PoolLoad,
     RequestFeatures,
     RoutingContext,
     RoutingDecision,
     RoutingError,
     RoutingThresholds,
+    break_even_batch,
+    price,
     route,
     scheduled_probe,
 )
@@ -101,6 +104,7 @@ class RouteState:
         domains: DomainTable | None = None,
         exploration: Exploration | None = None,
         clock: Callable[[], float] = time.monotonic,
+        budgeted: bool = False,
     ):
         self.draft_name = draft_name or "none"
         self.tracker = tracker
@@ -115,6 +119,8 @@ class RouteState:
         # cost probes: 4x the acceptance probes' share, and only while a bucket's plain side is unmeasured
         self.cost_probes = Exploration(share=min(1.0, 4 * self.exploration.share), min_interval_s=0.0)
         self.clock = clock
+        # co-located replicas plan every step for the batch (config budgeted_verification): priced so
+        self.budgeted = frozenset({Pool.COLOCATED}) if budgeted else frozenset()
         self._separate_adaptive: AdaptiveK | None = None
         self.set_costs(PRIOR_COSTS)
 
@@ -127,7 +133,7 @@ class RouteState:
         return cls(model_label(cfg.draft), tracker, cfg.k_max, cfg.default_k, context_limit,
                    cfg.separate_hop_overhead_s, cfg.separate_overlap, RoutingThresholds(margin=cfg.route_margin),
                    DomainTable(cfg.max_traffic_classes, cfg.traffic_class_buckets, cfg.traffic_class_promote_after),
-                   Exploration(cfg.probe_share), clock)
+                   Exploration(cfg.probe_share), clock, cfg.budgeted_verification)
 
     # ---- costs -------------------------------------------------------------------------------
     def set_costs(self, costs: StepCosts, source: str | None = None, sampled_costs: StepCosts | None = None
@@ -206,6 +212,7 @@ class RouteState:
             context_limit=self.context_limit,
             k_max=self.k_max,
             thresholds=self.thresholds,
+            budgeted=self.budgeted,
         )
 
     # ---- decision ------------------------------------------------------------------------------
@@ -293,13 +300,18 @@ class RouteState:
         axis = []
         context = 128
         while context < self.context_limit:
-            cm = self.view.model_for(cls, context)
-            best = cm.best_k(1, a, self.k_max)
-            axis.append({"context": context, "best_k_batch1": best.k,
-                         "predicted_speedup_batch1": best.predicted_speedup,
-                         "break_even_batch": cm.break_even_batch(a, best.k) if best.k > 0 else 1})
+            axis.append({"context": context, **self._batch1(self.view.model_for(cls, context), a)})
             context *= 2
         return axis
+
+    def _batch1(self, cm: CostModel, a: float) -> dict:
+        """The co-located pool's best speculation at batch 1, and the batch from which it stops paying (None:
+        never in the calibrated range; 1: not even at batch 1), priced as routing prices it."""
+        budgeted = Pool.COLOCATED in self.budgeted
+        best = price(cm, Pool.COLOCATED, 1, a, self.k_max, budgeted)
+        return {"best_k_batch1": best.k, "predicted_speedup_batch1": best.predicted_speedup,
+                "break_even_batch": break_even_batch(cm, Pool.COLOCATED, a, best.k, self.k_max, budgeted)
+                if best.k > 0 else 1}
 
     def regimes(self, loads: Mapping[str, PoolLoad]) -> dict:
         """Per traffic class: acceptance estimate and evidence, cost ratio c at batch 1, break-even
@@ -317,15 +329,12 @@ class RouteState:
             cls = TrafficClass(*key)
             cm = self.view.model_for(cls)
             a = c["acceptance"]
-            best1 = cm.best_k(1, a, self.k_max)
             feats = RequestFeatures(temperature=BUCKET_TEMPERATURE[cls.temperature_bucket], max_tokens=256,
                                     traffic_class=cls)
             choice = route(self.context(feats, idle)) if idle else None
             c.update({
                 "cost_ratio_batch1": cm.cost_ratio(1),
-                "best_k_batch1": best1.k,
-                "predicted_speedup_batch1": best1.predicted_speedup,
-                "break_even_batch": cm.break_even_batch(a, best1.k) if best1.k > 0 else 1,
+                **self._batch1(cm, a),
                 "by_context": self._context_axis(cls, a),
                 "choice": None if choice is None else {
                     "pool": choice.pool, "topology": choice.topology, "k": choice.k, "regime": choice.regime,

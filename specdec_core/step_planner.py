@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec_core.costmodel import CostModel
+from specdec_core.costmodel import CostModel, KChoice
 
 # The plan must beat a plain step's tokens per second by this share. A step's price leaves out what
 # speculation costs beyond its steps: the draft's catch-up when a row starts, and a closed batch's
@@ -82,6 +82,17 @@ def plan_step(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Seq
         step_s = model.ragged_step_time(batch, ks, topology) + sum(t for t, k in zip(start_s, ks) if k)
         rate = (batch + sum(sum(s[:k]) for s, k in zip(survivals, ks))) / step_s
     return StepBudget(tuple(ks), rate * step_s, step_s, plain_step)
+
+
+def budgeted_choice(model: CostModel, batch: int, rates: Sequence[float], topology: str = "colocated") -> KChoice:
+    """How a pool that plans its steps prices a request: the plan of a step of ``batch`` rows whose
+    acceptance by draft position is ``rates`` (its length caps K). ``k``: the widest row's K (0: the
+    plan is plain), ``predicted_speedup``: the step's tokens per second over a plain step's. What the
+    router routes a budgeted pool's requests by, so that it expects what the replica will do."""
+    plan = plan_step(model, [survival(rates)] * batch, [None] * batch, topology)
+    k = max(plan.ks, default=0)
+    speedup = plan.predicted_speedup if k else 1.0
+    return KChoice(k, model.plain_time_per_token(batch) / speedup, speedup)
 
 
 def _admit(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Sequence[int | None], topology: str,

@@ -352,6 +352,31 @@ def test_served_step_times_correct_the_routing():
     assert route(loads, state=st).pool == "plain"
 
 
+def test_a_budgeted_pool_is_routed_on_what_its_planner_will_do():
+    """With budgeted verification the co-located replica plans every step for its batch (K per row,
+    a 10% margin over a plain step): the router prices the pool with that plan, not with one K per
+    request, so the two agree on where speculation runs (and /v1/regimes says the same)."""
+    from specdec_core.step_planner import budgeted_choice
+
+    costs = _compute_bound_costs()
+    differ = 0
+    for active in range(0, 12):
+        loads = {"plain": PoolLoad(), "colocated": PoolLoad(active=active)}
+        per_request = route(loads, state=_state(costs=costs))
+        budgeted = route(loads, state=_state(costs=costs, budgeted=True))
+        plan = budgeted_choice(_state(costs=costs).cost_model(), active + 1, (0.9,) * 8)
+        assert (budgeted.pool == "colocated") == (plan.k > 0), (active, budgeted.decision)
+        if budgeted.pool == "colocated":
+            assert budgeted.decision.k == plan.k
+            assert budgeted.decision.predicted_speedup == pytest.approx(plan.predicted_speedup)
+        differ += (per_request.pool, per_request.decision.k) != (budgeted.pool, budgeted.decision.k)
+    assert differ  # the plan's pricing is not one K per request's
+    regimes = _state(costs=costs, budgeted=True).regimes({"plain": PoolLoad(), "colocated": PoolLoad()})
+    cls = regimes["classes"][0]
+    plan1 = budgeted_choice(_state(costs=costs).cost_model(), 1, (cls["acceptance"],) * 8)
+    assert (cls["best_k_batch1"], cls["predicted_speedup_batch1"]) == (plan1.k, pytest.approx(plan1.predicted_speedup))
+
+
 def test_served_timing_is_learnt_at_the_batch_the_request_decoded_in():
     """A request that joined an idle pool (batch 1) and then decoded beside seven others teaches the
     drift of batch 8, not of batch 1: its steps cost batch-8 steps."""

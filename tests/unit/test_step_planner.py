@@ -6,7 +6,7 @@ import pytest
 
 from specdec_core.acceptance import position_rates
 from specdec_core.costmodel import CostModel, StepCosts
-from specdec_core.step_planner import plan_step, survival
+from specdec_core.step_planner import budgeted_choice, plan_step, survival
 
 # Shaped like the served family on this CPU (ms): a verify nearly free at batch 1, compute bound from
 # ~16 tokens per forward (batch 8: 5 tokens a row cost 2.7x a plain step), a cheap draft.
@@ -71,6 +71,18 @@ def test_a_compute_bound_batch_decodes_plain():
     plan = plan_step(MODEL, [survival([0.6] * 8)] * 64, [None] * 64)
     assert plan.ks == (0,) * 64
     assert plan.predicted_speedup == pytest.approx(1.0)
+
+
+def test_the_routers_price_of_a_budgeted_pool_is_the_plan_of_a_uniform_batch():
+    """What the router expects of a pool that plans its steps: the plan of ``batch`` rows like the
+    request (K its widest row's, speedup the step's), plain where the plan is."""
+    for batch in (1, 8, 64):
+        plan = plan_step(MODEL, [survival([0.8] * 8)] * batch, [None] * batch)
+        choice = budgeted_choice(MODEL, batch, [0.8] * 8)
+        assert choice.k == max(plan.ks)
+        assert choice.predicted_speedup == pytest.approx(plan.predicted_speedup if choice.k else 1.0)
+    assert budgeted_choice(MODEL, 1, [0.8] * 8).k >= 2 and budgeted_choice(MODEL, 64, [0.8] * 8).k == 0
+    assert budgeted_choice(MODEL, 1, [0.8] * 2).k <= 2  # the rates cap K
 
 
 def test_speculation_must_beat_plain_by_the_margin():
