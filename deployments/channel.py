@@ -39,7 +39,7 @@ from deployments.wire import CALL, ENVELOPE, MESSAGE, REPLY, Call, Codec, Reply
 
 logger = logging.getLogger("ray.serve")
 
-_LENGTH = struct.Struct("!I")
+FRAME_LENGTH = struct.Struct("!I")
 TOKEN_BYTES = 32
 ChannelMethods = dict[str, tuple[Any, Any]]  # method -> (argument type, result type)
 
@@ -75,14 +75,14 @@ class _Codecs:
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    (length,) = FRAME_LENGTH.unpack(await reader.readexactly(FRAME_LENGTH.size))
     if length > max_bytes:  # refused before a byte of it is buffered
         raise FrameError(f"frame of {length} bytes over the bound of {max_bytes}")
     return await reader.readexactly(length)
 
 
 def frame(payload: bytes) -> bytes:
-    return _LENGTH.pack(len(payload)) + payload
+    return FRAME_LENGTH.pack(len(payload)) + payload
 
 
 class ChannelServer:

@@ -30,7 +30,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deployments.channel import frame, read_frame
+from deployments.channel import FRAME_LENGTH, frame, read_frame
 from deployments.config import AppConfig
 from deployments.engine_hosts import build_engine, engine_fields, submit
 from deployments.messages import Delta, GenerateRequest, ReplicaCosts
@@ -49,7 +48,6 @@ from specdec_core.engine import Engine
 
 logger = logging.getLogger("ray.serve")
 
-_LENGTH = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 << 20  # both ends are this replica's own processes; the bound only catches a broken pipe
 STATS_TIMEOUT_S = 30.0
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)  # where the child imports this module from
@@ -140,14 +138,14 @@ class BlockingPipe:
 
     def _whole_frames(self) -> list[bytes]:
         frames = []
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
+        while len(self._buffer) >= FRAME_LENGTH.size:
+            (length,) = FRAME_LENGTH.unpack_from(self._buffer)
             if length > MAX_FRAME_BYTES:
                 raise ConnectionError(f"frame of {length} bytes over the bound")
-            if len(self._buffer) < _LENGTH.size + length:
+            if len(self._buffer) < FRAME_LENGTH.size + length:
                 break
-            frames.append(bytes(self._buffer[_LENGTH.size:_LENGTH.size + length]))
-            del self._buffer[:_LENGTH.size + length]
+            frames.append(bytes(self._buffer[FRAME_LENGTH.size:FRAME_LENGTH.size + length]))
+            del self._buffer[:FRAME_LENGTH.size + length]
         return frames
 
 
