@@ -42,7 +42,7 @@ from deployments.config import AppConfig
 from deployments.engine_hosts import build_engine, engine_fields, submit
 from deployments.messages import Delta, GenerateRequest, ReplicaCosts
 from deployments.wire import Codec
-from specdec_core.async_engine import RequestFailed
+from specdec_core.async_engine import until_finished
 from specdec_core.costmodel import StepCosts
 from specdec_core.engine import Engine
 
@@ -331,13 +331,8 @@ class EngineProcess:
         finished = False
         try:
             self._send([req])
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in until_finished(queue, req.request_id):
                 finished = item.finished
-                if item.finish_reason == "error":
-                    raise RequestFailed(f"request {req.request_id} failed in the engine (see the replica log)")
                 yield item
         finally:
             self._streams.pop(req.request_id, None)

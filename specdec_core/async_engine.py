@@ -43,6 +43,20 @@ class RequestFailed(RuntimeError):
     """This request alone failed an engine step (the others in its batch went on)."""
 
 
+async def until_finished(queue: asyncio.Queue, request_id: str) -> AsyncIterator:
+    """A request's outputs as they reach its queue, up to the finished one. An exception on the queue is
+    raised; an output that finished with "error" raises ``RequestFailed``."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finish_reason == "error":
+            raise RequestFailed(f"request {request_id} failed in the engine (see the replica log)")
+        yield item
+        if item.finished:
+            return
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -65,13 +79,8 @@ class AsyncEngine:
             self._wake.notify()
         finished = False
         try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in until_finished(queue, rid):
                 finished = item.finished
-                if item.finish_reason == "error":
-                    raise RequestFailed(f"request {rid} failed in the engine (see the replica log)")
                 yield item
         finally:
             self._streams.pop(rid, None)
