@@ -7,8 +7,8 @@ last request is admitted: the batch full throughout; ``Run``). The budgeted mode
 verifies the rows at their own widths (the runner's packed forward). It is measured beside plain,
 fixed K = 1, 2, 4, 8 and auto (adaptive K per request, ``adaptive.py``) over a batch sweep of one
 traffic, and on mixed batches whose rows differ in acceptance (half repetitive prompts, half free
-prose at T=1, the n-gram proposer), where one K for all rows cannot do what a K per row does. Modes
-are interleaved rep by rep; a cell's tokens/s is the median over reps.
+prose at T=1; over the n-gram proposer and over the distilled draft), where one K for all rows cannot
+do what a K per row does. Modes are interleaved rep by rep; a cell's tokens/s is the median over reps.
 
 Predicted, per mode: the steps each run took in its window (each decode step's rows and their K),
 priced with the engine's calibration as ragged steps (``CostModel.ragged_step_time``), prefills as
@@ -71,6 +71,10 @@ def build_cells(batches: tuple[int, ...]) -> list[BudgetCell]:
     cells = [BudgetCell(f"prose b{b}", "draft", b, prose) for b in batches]
     mixed = (("repetitive", 0.0), ("prose", 1.0))
     cells += [BudgetCell(f"mixed b{b}", "ngram", b, mixed) for b in batches if 2 <= b <= 16]
+    # The same rows over the distilled draft: it proposes on every row (the n-gram proposer proposes nothing
+    # where it finds no match, so its fixed K already limits itself), so a fixed K pays its draft and verify
+    # tokens on the T=1 prose rows too.
+    cells += [BudgetCell(f"mixed-draft b{b}", "draft", b, mixed) for b in batches if 2 <= b <= 16]
     return cells
 
 

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--user", default=None, help="OpenAI `user` of every request (its traffic class)")
+    p.add_argument("--mix", nargs="*", metavar="SET:T[:USER]",
+                   help="a mixed load: request i is profile i mod n (prompt set, temperature, user), e.g. "
+                        "prose:0 prose:1:sampler code:0:coder (in place of --prompts/--temperature/--user)")
     p.add_argument("--interleave", action="store_true",
                    help="modes take turns round by round on the same prompts (auto first)")
     p.set_defaults(func=_serve)

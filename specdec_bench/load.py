@@ -12,6 +12,11 @@ over len(modes) rounds every mode follows every other exactly once, since a mode
 the separate topology inherits its leftover work (measured: +4-6 ms TTFT under a plain rotation).
 Round 1 starts with ``auto``: on a fresh server its very first request is counted. A mode's tok/s
 = its tokens / the wall time of its rounds.
+
+``--mix SET:T[:USER] ...``: a mixed load. Request i is profile i mod n (a prompt set, a temperature
+and an OpenAI ``user``, i.e. a traffic class), so every round of a closed loop holds every profile,
+as when some users sample prose at T=1 and others complete code greedily beside them. Each pass
+reports its profiles' latencies and acceptance on their own (``by_profile``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import itertools
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -57,6 +63,50 @@ def distinct(prompt: str) -> str:
     return f"{next(_request_numbers)}. {prompt}"
 
 
+@dataclass(frozen=True)
+class Profile:
+    """One kind of traffic in a load: what its requests ask for and who sends them."""
+
+    prompts: str  # a prompt set under models/prompts
+    temperature: float
+    user: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Profile:
+        """``SET:T[:USER]``, e.g. ``code:0:coder``."""
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or not parts[0]:
+            raise ValueError(f"a --mix profile is SET:TEMPERATURE[:USER], got {spec!r}")
+        return cls(parts[0], float(parts[1]), parts[2] if len(parts) == 3 and parts[2] else None)
+
+    @property
+    def name(self) -> str:
+        return f"{self.prompts}:{self.temperature:g}" + (f":{self.user}" if self.user else "")
+
+
+class Traffic:
+    """Request i of a load: its prompt and its body's per-request fields. One profile (``--prompts``,
+    ``--temperature``, ``--user``) unless ``--mix`` gives several; request i is profile i mod n."""
+
+    def __init__(self, args):
+        mix = getattr(args, "mix", None)
+        self.profiles = ([Profile.parse(m) for m in mix] if mix else
+                         [Profile(args.prompts, args.temperature, getattr(args, "user", None))])
+        self._prompts = {p.prompts: load_prompts(p.prompts, None) for p in self.profiles}
+
+    def profile(self, i: int) -> Profile:
+        return self.profiles[i % len(self.profiles)]
+
+    def request(self, i: int) -> tuple[str, dict]:
+        """(prompt, body fields) of request i: the profile's prompts in order."""
+        profile = self.profile(i)
+        prompts = self._prompts[profile.prompts]
+        fields = {"temperature": profile.temperature}
+        if profile.user:
+            fields["user"] = profile.user
+        return prompts[(i // len(self.profiles)) % len(prompts)], fields
+
+
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, speculation: dict,
                       extra: dict | None = None) -> dict:
     if not getattr(args, "reuse_prompts", False):
@@ -65,7 +115,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
             "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     if speculation is not None:  # None: a server without the extension field (a peer)
         body["speculation"] = speculation
-    if getattr(args, "user", None):
+    if getattr(args, "user", None) and "user" not in body:
         body["user"] = args.user
     t0 = time.perf_counter()
     arrivals, final, done, stream_error = [], {}, False, None
@@ -102,6 +152,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         "migrations": spec.get("migrations", 0),
         "done": done,  # the stream ended with [DONE]
         "stream_error": stream_error,  # an error event's message
+        "profile": None,  # the load's profile name, set by the caller
     }
 
 
@@ -111,8 +162,17 @@ def auth_headers(args) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+async def traffic_request(client: httpx.AsyncClient, model: str, traffic: Traffic, i: int, args,
+                          speculation: dict | None) -> dict:
+    """Request i of the load, tagged with its profile."""
+    prompt, fields = traffic.request(i)
+    result = await one_request(client, model, prompt, args, speculation, fields)
+    result["profile"] = traffic.profile(i).name
+    return result
+
+
 async def run_pass(args, model: str, speculation: dict | None, rate: float | None) -> dict:
-    prompts = load_prompts(args.prompts, None)
+    traffic = Traffic(args)
     rng = random.Random(0)
     results = []
     async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=auth_headers(args)) as client:
@@ -120,17 +180,16 @@ async def run_pass(args, model: str, speculation: dict | None, rate: float | Non
         if rate:  # open loop: Poisson arrivals
             tasks = []
             for i in range(args.requests):
-                tasks.append(asyncio.create_task(one_request(client, model, prompts[i % len(prompts)], args,
-                                                             speculation)))
+                tasks.append(asyncio.create_task(traffic_request(client, model, traffic, i, args, speculation)))
                 await asyncio.sleep(rng.expovariate(rate))
             results = await asyncio.gather(*tasks)
         else:  # closed loop: fixed concurrency
-            queue = list(range(args.requests))
+            queue = list(range(args.requests))[::-1]
 
             async def worker():
                 while queue:
                     i = queue.pop()
-                    results.append(await one_request(client, model, prompts[i % len(prompts)], args, speculation))
+                    results.append(await traffic_request(client, model, traffic, i, args, speculation))
 
             await asyncio.gather(*[worker() for _ in range(args.concurrency)])
         wall = time.perf_counter() - t0
@@ -180,7 +239,23 @@ def summarize(results: list[dict], wall: float) -> dict:
         "routed_k": {k: sum(1 for r in ok if r.get("routed_k") == k) for k in {r.get("routed_k") for r in ok}},
         "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
         "regimes": {g: sum(1 for r in ok if r["regime"] == g) for g in {r["regime"] for r in ok}},
+        **({"by_profile": by_profile(ok)} if len({r.get("profile") for r in ok}) > 1 else {}),
     }
+
+
+def by_profile(results: list[dict]) -> dict:
+    """Per profile of a mixed load: requests, TPOT median and p99, acceptance and routes (its
+    throughput is the pass's: the profiles share the wall time)."""
+    out = {}
+    for name in sorted({r["profile"] for r in results}):
+        mine = [r for r in results if r["profile"] == name]
+        proposed = sum(r["proposed"] for r in mine)
+        tpot = [1000 * r["tpot"] for r in mine if r["tokens"] > 1]
+        out[name] = {"requests": len(mine), "median_tpot_ms": _percentile(tpot, 50),
+                     "p99_tpot_ms": _percentile(tpot, 99),
+                     "acceptance_rate": sum(r["accepted"] for r in mine) / proposed if proposed else 0.0,
+                     "routes": {g: sum(1 for r in mine if r["route"] == g) for g in {r["route"] for r in mine}}}
+    return out
 
 
 def williams_orders(n: int) -> list[list[int]]:
@@ -193,7 +268,7 @@ def williams_orders(n: int) -> list[list[int]]:
 
 async def run_interleaved(args, model: str) -> list[dict]:
     """Rounds of ``concurrency`` requests per mode, in Williams-design orders, auto first in round 1."""
-    prompts = load_prompts(args.prompts, None)
+    traffic = Traffic(args)
     modes = sorted(args.modes, key=lambda m: m != "auto")
     results: dict[str, list[dict]] = {m: [] for m in modes}
     wall = dict.fromkeys(modes, 0.0)
@@ -202,10 +277,11 @@ async def run_interleaved(args, model: str) -> list[dict]:
     orders = williams_orders(len(modes))
     async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
         for r in tqdm(range(rounds), desc=f"interleaved, concurrency {args.concurrency}"):
-            batch = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
+            batch = range(r * args.concurrency, (r + 1) * args.concurrency)  # request numbers: the same in every mode
             for mode in (modes[i] for i in orders[r % len(orders)]):
                 t0 = time.perf_counter()
-                got = await asyncio.gather(*(one_request(client, model, p, args, speculation_of(mode)) for p in batch))
+                got = await asyncio.gather(*(traffic_request(client, model, traffic, i, args, speculation_of(mode))
+                                             for i in batch))
                 wall[mode] += time.perf_counter() - t0
                 results[mode] += got
                 if mode == "auto" and first_auto is None:
@@ -266,6 +342,10 @@ def serve_markdown(data: dict) -> str:
             f"{p['median_e2el_ms']:.0f} | {p['p99_e2el_ms']:.0f} | {p['acceptance_rate']:.2f} | "
             f"{p.get('mean_k', 0):.2f} | {p.get('plain_step_share', 0):.0%} | {p.get('routes', {})} | {p['errors']} |"
         )
+    for p in data["passes"]:
+        for name, q in p.get("by_profile", {}).items():
+            lines.append(f"| {p['mode']}: {name} | | | | | | | {q['median_tpot_ms']:.1f} | {q['p99_tpot_ms']:.1f} "
+                         f"| | | | | {q['acceptance_rate']:.2f} | | | {q['routes']} | |")
     first = next((p["first_request"] for p in data["passes"] if "first_request" in p), None)
     if first:
         lines += ["", f"First auto request: {first['latency']:.2f} s, routed {first['route']} ({first['regime']})."]

@@ -59,7 +59,7 @@ def test_budget_sweep_writes_every_mode_measured_and_predicted(family, tmp_path)
           "--batches", "2"])
     data = json.loads((tmp_path / "budget.json").read_text())
     names = {c["cell"] for c in data["cells"]}
-    assert names == {"prose b2", "mixed b2"}
+    assert names == {"prose b2", "mixed b2", "mixed-draft b2"}
     for cell in data["cells"]:
         modes = {"plain", "k1", "k2", "k4", "k8", "auto", "budget"}
         assert set(cell["tok_s"]) == set(cell["predicted"]) == modes
@@ -125,6 +125,28 @@ def test_interleaved_orders_are_balanced(n):
         for a, b in zip(r, r[1:]):
             follows[a, b] = follows.get((a, b), 0) + 1
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
+def test_a_mixed_load_cycles_its_profiles_each_through_its_own_prompts():
+    """`serve --mix`: request i is profile i mod n with that profile's temperature and user, and each
+    profile walks its own prompt set in order (so every mode of an interleaved round sends the same)."""
+    from argparse import Namespace
+
+    from specdec_bench.common import load_prompts
+    from specdec_bench.load import Profile, Traffic
+
+    traffic = Traffic(Namespace(mix=["prose:0", "code:1:coder", "prose:1.5:sampler"], prompts="prose",
+                                temperature=0.0, user=None))
+    prose, code = load_prompts("prose"), load_prompts("code")
+    sent = [traffic.request(i) for i in range(6)]
+    assert sent[0] == (prose[0], {"temperature": 0.0}) and sent[3] == (prose[1], {"temperature": 0.0})
+    assert sent[1] == (code[0], {"temperature": 1.0, "user": "coder"}) and sent[4][0] == code[1]
+    assert sent[2] == (prose[0], {"temperature": 1.5, "user": "sampler"})
+    assert [traffic.profile(i).name for i in range(3)] == ["prose:0", "code:1:coder", "prose:1.5:sampler"]
+    one = Traffic(Namespace(mix=None, prompts="code", temperature=0.7, user="u"))
+    assert one.request(2) == (code[2], {"temperature": 0.7, "user": "u"})
+    with pytest.raises(ValueError, match="SET:TEMPERATURE"):
+        Profile.parse("prose")
 
 
 def test_fault_bench_measures_each_replica_process_from_when_it_was_warm():

@@ -59,3 +59,21 @@ def test_serve_load_generator_writes_its_report(server, tmp_path):
         assert 0 < p["total_output_tokens"] <= 3 * 8 and p["mean_e2el_ms"] > p["mean_ttft_ms"], p
     assert data["config"]["out"] == str(tmp_path)
     assert "| plain |" in (tmp_path / "serve.md").read_text()
+
+
+def test_serve_load_generator_runs_a_mixed_load_interleaved(server, tmp_path):
+    """`specdec-bench serve --mix`: each round holds every profile (prompt set, temperature, user) in
+    every mode, and each pass reports its profiles on their own."""
+    from specdec_bench.cli import main
+
+    main(["serve", "--url", server["url"], "--out", str(tmp_path), "--requests", "4", "--max-tokens", "6",
+          "--concurrency", "2", "--interleave", "--modes", "plain", "colocated",
+          "--mix", "prose:0", "code:1:coder"])
+    data = json.loads((tmp_path / "serve.json").read_text())
+    assert {p["mode"] for p in data["passes"]} == {"plain", "colocated"}
+    for p in data["passes"]:
+        assert p["completed"] == 4 and p["errors"] == 0, p
+        assert {name: q["requests"] for name, q in p["by_profile"].items()} == {"prose:0": 2, "code:1:coder": 2}
+        routes = {name: q["routes"] for name, q in p["by_profile"].items()}
+        assert all(r == {p["mode"]: 2} for r in routes.values()), routes
+    assert "| plain: code:1:coder |" in (tmp_path / "serve.md").read_text()
