@@ -16,7 +16,9 @@ Rules, in order:
    spends compute that a wider plain batch turns into throughput.
 3. auto, latency: for each spec topology with replicas, evaluate the cost
    model's best K at the batch the request would join (the pool's active +
-   queued + 1 sequences spread over its replicas); speculate in the fastest
+   queued + 1 sequences spread over its replicas) plus the rows the pool's
+   finished requests saw join them while they decoded (``PoolLoad.joining``,
+   learnt by the router); speculate in the fastest
    pool with room if its predicted speedup > 1 + margin and the request is not
    prefill heavy, else plain.
 
@@ -101,6 +103,8 @@ class PoolLoad:
     queued: int = 0  # sequences routed but not yet decoding
     replicas: int = 1
     capacity: int = 64  # sequences one replica decodes at once
+    joining: float = 0.0  # rows that, as the pool's finished requests measured, join a request while it decodes
+    #                       (negative: rows leave)
 
     def has_room(self) -> bool:
         return self.active + self.queued < self.replicas * self.capacity
@@ -108,6 +112,12 @@ class PoolLoad:
     def joined_batch(self) -> int:
         """Per-replica batch once this request (and the queue) joins."""
         return math.ceil((self.active + self.queued + 1) / max(self.replicas, 1))
+
+    def decode_batch(self) -> int:
+        """The batch the request can expect to decode in: the one it joins, plus the rows that join it
+        while it decodes (in a burst or a closed loop, a request that joins an idle pool decodes beside
+        the ones that arrive after it: priced at batch 1, it runs at the burst's batch)."""
+        return max(1, round(self.joined_batch() + self.joining))
 
 
 @dataclass(frozen=True)
@@ -238,12 +248,12 @@ def _best(ctx: RoutingContext, topology: str, batch: int, a: float, model: CostM
 
 
 def _spec_options(ctx: RoutingContext) -> list[_Option]:
-    """Best K per available spec topology, at the batch the request would join."""
+    """Best K per available spec topology, at the batch the request can expect to decode in there."""
     options = []
     for t in SPEC_TOPOLOGIES:
         load = ctx.loads.get(t)
         if t in ctx.cost_models and load is not None and load.replicas > 0:
-            b = load.joined_batch()
+            b = load.decode_batch()
             options.append(_Option(t, b, _best(ctx, t, b, ctx.acceptance)))
     return options
 

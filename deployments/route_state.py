@@ -60,6 +60,11 @@ THROUGHPUT_TIERS = ("flex", "batch", "scale")
 SERVED_DRIFT_BOUNDS = (0.5, 4.0)  # served / calibrated step time believed as drift (beyond: another machine's costs)
 SERVED_DRIFT_WEIGHT = 0.2  # per finished request
 SERVED_DRIFT_MIN_REQUESTS = 3  # finished requests on each side of a batch bucket before its drift applies
+# Rows that join a request while it decodes (mean decode batch - joined batch; negative where rows leave), per
+# pool and joined-batch bucket: a moving average over finished requests that fades with this half-life, so
+# that a burst's pricing does not outlive the burst.
+JOINING_WEIGHT = 0.2
+JOINING_HALF_LIFE_S = 30.0
 # A representative temperature per bucket, for the /v1/regimes choice of a class.
 BUCKET_TEMPERATURE = {"greedy": 0.0, "low": 0.3, "mid": 0.8, "high": 1.5}
 
@@ -122,6 +127,8 @@ class RouteState:
         # co-located replicas plan every step for the batch (config budgeted_verification): priced so
         self.budgeted = frozenset({Pool.COLOCATED}) if budgeted else frozenset()
         self._separate_adaptive: AdaptiveK | None = None
+        # (pool, joined-batch bucket) -> (rows that joined while its requests decoded, when learnt)
+        self._joining: dict[tuple[str, int], tuple[float, float]] = {}
         self.set_costs(PRIOR_COSTS)
 
     @classmethod
@@ -219,6 +226,7 @@ class RouteState:
     def decide(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> Route:
         """`route()` over the deployed pools (``loads`` holds only those); a class that goes plain
         for its acceptance sends its scheduled probes to speculation. Raises RoutingError."""
+        loads = self.with_joining(loads)
         ctx = self.context(features, loads)
         d = route(ctx)
         probe = scheduled_probe(ctx, d, self.exploration, self.cost_probes, self._measured, self.clock())
@@ -233,6 +241,21 @@ class RouteState:
         adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in SPEC_TOPOLOGIES
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 
+    def with_joining(self, loads: Mapping[str, PoolLoad]) -> dict[str, PoolLoad]:
+        """The pools' loads with the rows that have been joining requests that joined them at such a batch."""
+        return {p: dataclasses.replace(load, joining=self.joining(p, load.joined_batch())) for p, load in loads.items()}
+
+    def joining(self, pool: str, joined: int) -> float:
+        """Rows that joined ``pool``'s recent requests that joined at a batch like ``joined`` while they
+        decoded (negative: rows left), faded since it was learnt."""
+        value, at = self._joining.get((pool, self.drift.bucket(joined)), (0.0, 0.0))
+        return value * 0.5 ** ((self.clock() - at) / JOINING_HALF_LIFE_S)
+
+    def _learn_joining(self, pool: str, joined: int, decoded: float) -> None:
+        value = self.joining(pool, joined)
+        self._joining[pool, self.drift.bucket(joined)] = (value + JOINING_WEIGHT * (decoded - joined - value),
+                                                          self.clock())
+
     def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
         """The drift bucket of ``batch`` and whether served steps of ``kind`` (a pool) are measured there."""
         return self.drift.bucket(batch), self.drift.measured(batch, kind)
@@ -245,6 +268,8 @@ class RouteState:
         at the batch its decode steps ran in (``batch``, the one it joined, only when it ran none: in a
         closed loop a request that joined an idle pool decodes beside the ones that follow it, and
         timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration)."""
+        if stats.mean_decode_batch and not migrated:
+            self._learn_joining(pool, batch, stats.mean_decode_batch)
         if seconds_per_token and not migrated:
             self.observe_timing(pool, stats.mean_decode_batch or batch, stats, seconds_per_token, cls)
         if stats.proposed:
@@ -348,6 +373,6 @@ class RouteState:
                       # served / calibrated step time per batch bucket (log2), learnt from finished requests
                       "drift": {b: dataclasses.asdict(d) for b, d in self.drift.buckets.items()}},
             "k_max": self.k_max,
-            "pools": {p: dataclasses.asdict(load) for p, load in loads.items()},
+            "pools": {p: dataclasses.asdict(load) for p, load in self.with_joining(loads).items()},
             "classes": out,
         }

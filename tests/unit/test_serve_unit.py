@@ -390,6 +390,29 @@ def test_served_timing_is_learnt_at_the_batch_the_request_decoded_in():
     assert list(drift) == [3] and drift[3]["plain"] == pytest.approx(1.0), drift  # bucket of batch 8, as calibrated
 
 
+def test_a_request_is_priced_at_the_batch_it_will_decode_in():
+    """In a burst the first requests join an idle co-located pool and decode beside the ones that follow:
+    the router learns how many rows join a request while it decodes (per pool, from finished requests)
+    and prices the next one at that batch, not at the batch it joins; the lesson fades once the burst
+    is over (fake clock), and /v1/regimes shows it."""
+    now = [0.0]
+    st = _state(costs=_compute_bound_costs(), clock=lambda: now[0])
+    idle = {"plain": PoolLoad(), "colocated": PoolLoad()}
+    assert route(idle, state=st).pool == "colocated"  # batch 1 pays
+    assert route({"plain": PoolLoad(), "colocated": PoolLoad(active=7)}, state=st).pool == "plain"  # batch 8 does not
+    burst = _served_stats(k=4, decode_steps=12)
+    burst.decode_steps, burst.decode_batch_rows = 12, 12 * 8  # joined at batch 1, decoded at batch 8
+    for _ in range(10):
+        st.learn("colocated", 1, TrafficClass.of("d", 0.0), burst, 0.0, migrated=False)
+    assert st.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
+    assert st.joining("colocated", 8) == 0.0  # learnt for requests that joined at batch 1
+    assert st.regimes(idle)["pools"]["colocated"]["joining"] == pytest.approx(st.joining("colocated", 1))
+    r = route(idle, state=st)
+    assert r.pool == "plain" and "batch 7" in r.decision.reason, r.decision  # priced where it would decode
+    now[0] += 120.0  # four half-lives without a finished request: back to the batch it joins
+    assert st.joining("colocated", 1) < 0.5 and route(idle, state=st).pool == "colocated"
+
+
 def test_separate_overlap_and_k_from_the_cost_model():
     """The separate loop's choices, in Theorem 3.8's world (a verify costs one plain step, 1 s; a
     draft forward c s): overlap where the draft is as costly as the verify and acceptance is high,
