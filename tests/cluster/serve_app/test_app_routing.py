@@ -90,7 +90,8 @@ def test_regimes_endpoint(client):
     assert m["costs"]["calibrated"] and m["costs"]["hop_overhead_s"]["separate"] == pytest.approx(0.002)
     assert isinstance(m["costs"]["drift"], dict)
     assert set(m["pools"]) == {"plain", "colocated", "separate"}
-    assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity"}
+    assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity", "joining"}
+    assert all(isinstance(p["joining"], float) for p in m["pools"].values())  # rows seen joining while decoding
     classes = {(c["temperature_bucket"], c["domain"]): c for c in m["classes"]}
     assert ("greedy", "default") in classes and ("greedy", "regime-map") in classes
     c = classes[("greedy", "regime-map")]
