@@ -1,5 +1,6 @@
 """What the served-app tests share: the app's arguments on the tiny models, the synthetic step costs
-the regime tests route on, and the HTTP and stats helpers (a helper module, not a test module)."""
+the regime tests route on (the unit tests of the router's state too), and the HTTP and stats helpers (a
+helper module, not a test module)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ def synthetic_costs():
     batches, qs = (1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9)
     return StepCosts(batches, qs, tuple(tuple(0.010 + 0.004 * b * q for q in qs) for b in batches),
                      tuple(0.003 for _ in batches), source="synthetic-test")
+
+
+class CharTokenizer:
+    """A tokenizer stand-in for requests built without a model: token i decodes to a letter."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
 def app_args(models: dict, calibration_file: str | None = None) -> dict:

@@ -1,0 +1,297 @@
+"""The router's state without a cluster (``deployments/route_state.py``): the context it builds for
+``route()`` from the pools' loads, the acceptance tracker and the costs; explicit fields and fallbacks;
+the regime map of ``/v1/regimes``; and what it learns from finished requests (served drift, the batch a
+request decodes in) and how that moves routing, the budgeted pool and the separate topology's choices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from served import CharTokenizer, synthetic_costs
+
+from autoscaling.routing import PoolLoad, RoutingError
+from autoscaling.traffic_classes import DomainTable
+from deployments.route_state import PRIOR_COSTS, RouteState, objective_of, with_hops
+from specdec_core import SamplingParams
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
+from specdec_core.costmodel import StepCosts
+from specdec_core.stats import RequestStats
+
+ALL = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
+
+
+def _state(a=0.9, evidence=0, costs=None, **kw) -> RouteState:
+    tr = AcceptanceTracker(prior_mean=a)
+    st = RouteState("d", tr, k_max=8, default_k=4, context_limit=512, domains=DomainTable(promote_after=1), **kw)
+    if costs is not None:
+        st.set_costs(costs, "test")
+    if evidence:
+        cls = TrafficClass.of("d", 0.0)
+        tr.observe_request(cls, [evidence], [round(a * evidence)])
+    return st
+
+
+def route(loads=ALL, state=None, mode="auto", k=None, topology=None, temperature=0.0, objective="latency",
+          max_tokens=64, prompt_tokens=8, domain=None):
+    st = state or _state(costs=synthetic_costs())
+    cls = st.traffic_class(temperature, domain)
+    f = st.features(temperature=temperature, top_p=1.0, max_tokens=max_tokens, prompt_tokens=prompt_tokens,
+                    mode=mode, k=k, topology=topology, objective=objective, cls=cls)
+    return st.decide(f, loads)
+
+
+def test_glue_context_from_loads_tracker_costs():
+    st = _state(a=0.8, evidence=100, costs=synthetic_costs())
+    cls = st.traffic_class(0.0, None)
+    assert cls == TrafficClass("d", "greedy", "default")
+    f = st.features(temperature=0.0, top_p=1.0, max_tokens=64, prompt_tokens=8, mode="auto", k=None,
+                    topology=None, objective="latency", cls=cls)
+    ctx = st.context(f, {"plain": PoolLoad(), "colocated": PoolLoad(active=3)})
+    assert set(ctx.cost_models) == {"colocated"}  # only deployed spec pools are priced
+    assert ctx.acceptance == pytest.approx(st.tracker.estimate(cls)) and ctx.evidence == pytest.approx(100)
+    assert ctx.loads["colocated"].joined_batch() == 4 and ctx.k_max == 8 and ctx.context_limit == 512
+    assert ctx.cost_models["colocated"].costs.hop("separate") == pytest.approx(0.002)  # measured hops added
+    # explicit speculation without K takes default_k
+    assert st.features(temperature=0.0, top_p=1.0, max_tokens=8, prompt_tokens=1, mode="speculative", k=None,
+                       topology=None, objective="latency", cls=cls).k == 4
+
+
+def test_glue_routes_auto_by_load_and_regime():
+    r = route()
+    assert (r.pool, r.decision.regime, r.adaptive, r.batch) == ("colocated", "favorable", True, 1)
+    assert r.decision.k > 0 and r.decision.predicted_speedup > 1.05
+    busy = {**ALL, "colocated": PoolLoad(active=12), "separate": PoolLoad(active=12)}
+    r = route(busy)
+    assert (r.pool, r.decision.k, r.decision.regime) == ("plain", 0, "large_batch")
+    assert route(objective="throughput").pool == "plain"
+    assert objective_of(None, "flex") == "throughput" and objective_of(None, "default") == "latency"
+    assert objective_of("latency", "batch") == "latency"
+    low = _state(a=0.1, evidence=200, costs=synthetic_costs())
+    r = route(state=low)
+    assert (r.pool, r.decision.regime) == ("plain", "domain_mismatch")
+    r = route(state=low, temperature=1.0)  # a separate class: no evidence, prior only
+    assert r.pool == "plain"
+    assert route(max_tokens=4).decision.regime == "prefill_heavy"
+
+
+def test_glue_explicit_and_fallbacks():
+    assert route(mode="plain").pool == "plain"
+    r = route(mode="speculative", temperature=1.5)
+    assert (r.pool, r.decision.k, r.adaptive) == ("colocated", 4, False)  # explicit K stays fixed
+    r = route(mode="speculative", topology="separate", k=6)
+    assert (r.pool, r.decision.topology, r.decision.k, r.adaptive) == ("separate", "separate", 6, False)
+    assert route(topology="separate").decision.k == 4
+    r = route({"colocated": PoolLoad()}, mode="plain")  # no plain pool: a spec pool decodes with K=0
+    assert (r.pool, r.decision.topology, r.decision.k) == ("colocated", None, 0)
+    with pytest.raises(RoutingError):
+        route({"plain": PoolLoad(), "colocated": PoolLoad()}, topology="separate")
+
+
+def test_speculation_in_a_pool_that_is_down_decodes_plain_on_one_that_is_up():
+    """The separate pool lost its replica (routing sees no load for it): a request for it runs plain and
+    says why; with no pool up at all, 503 with Retry-After."""
+    from deployments.api import APIError
+    from deployments.planning import _plain_while_down
+
+    st = _state(costs=synthetic_costs())
+    f = st.features(temperature=0.0, top_p=1.0, max_tokens=64, prompt_tokens=8, mode="speculative", k=None,
+                    topology="separate", objective="latency", cls=st.traffic_class(0.0, None))
+    up = {"plain": PoolLoad(), "colocated": PoolLoad()}
+    with pytest.raises(RoutingError):
+        st.decide(f, up)
+    r = _plain_while_down(st, f, up, {"separate"}, "r1")
+    assert (r.pool, r.decision.k, r.adaptive) == ("plain", 0, False)
+    assert "separate down" in r.decision.reason
+    with pytest.raises(APIError) as err:
+        _plain_while_down(st, f, {}, {"separate", "plain", "colocated"}, "r2")
+    assert err.value.status == 503 and "Retry-After" in err.value.headers
+
+
+@pytest.mark.parametrize("features", [
+    {"mode": "turbo"}, {"k": 9}, {"k": -1}, {"topology": "remote"}, {"mode": "plain", "k": 2},
+    {"mode": "plain", "topology": "separate"}, {"mode": "speculative", "k": 0}, {"topology": "colocated", "k": 0},
+])
+def test_route_decision_rejects(features):
+    with pytest.raises(RoutingError):
+        route(**features)
+
+
+def test_glue_observe_and_regimes_map():
+    st = _state(a=0.6)
+    assert st.costs_source.startswith("prior") and not st.calibrated
+    cls = st.traffic_class(0.0, "code")
+    # a request: K=4, steps accepted 4, 1, 0 -> judged per position [3, 2, 1, 1], accepted [2, 1, 1, 1]
+    stats = RequestStats(proposed_per_position=[3, 2, 1, 1], accepted_per_position=[2, 1, 1, 1], verify_steps=3)
+    st.observe(cls, stats)
+    assert st.tracker.evidence(cls) == pytest.approx(7)
+    assert st.tracker.estimate(cls) == pytest.approx((0.6 * 20 + 5) / 27)
+    st.observe(cls, RequestStats())  # plain request: nothing
+    assert st.tracker.evidence(cls) == pytest.approx(7)
+    st.set_costs(synthetic_costs(), "calibrated:cpu")
+    m = st.regimes({"plain": PoolLoad(active=2), "colocated": PoolLoad(active=30)})
+    assert m["costs"]["calibrated"] and m["pools"]["colocated"]["active"] == 30
+    keys = [(c["temperature_bucket"], c["domain"]) for c in m["classes"]]
+    assert keys == [("greedy", "code"), ("greedy", "default")]
+    for c in m["classes"]:
+        assert {"acceptance", "evidence", "per_position", "cost_ratio_batch1", "break_even_batch",
+                "choice"} <= set(c)
+        assert c["cost_ratio_batch1"] == pytest.approx(0.003 / 0.014)
+        assert c["choice"]["pool"] in ("plain", "colocated") and c["choice"]["regime"]
+    assert m["classes"][1]["choice"]["pool"] == "colocated"  # batch 1: the load of the pool is ignored
+    assert st.realised_speedup(1, 0.007) == pytest.approx(2.0)
+    assert m["costs"]["drift"] == {}
+    st.observe_timing("plain", 1, RequestStats(plain_steps=9), 1.2 * st.cost_model().plain_time_per_token(1))
+    drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+    assert drift[0]["plain_steps"] == 1 and drift[0]["plain"] > 1.0 and drift[0]["spec_steps"] == 0
+
+
+def test_regimes_map_has_a_context_axis():
+    """Per class, the regime along the context: with a per-row slope that grows with the verify width
+    (attention compute bound, as on this CPU) the batch-1 speedup falls with the context."""
+    costs = dataclasses.replace(synthetic_costs(), context_slope_s=tuple(2e-6 * q for q in (1, 2, 3, 5, 9)))
+    st = _state(a=0.9, costs=costs)
+    axis = st.regimes({"plain": PoolLoad(), "colocated": PoolLoad()})["classes"][0]["by_context"]
+    assert [e["context"] for e in axis] == [128, 256]  # below the context limit, 512
+    assert axis[0]["predicted_speedup_batch1"] > axis[1]["predicted_speedup_batch1"] > 1
+    assert all(e["break_even_batch"] is None or e["break_even_batch"] >= 1 for e in axis)
+
+
+def test_prior_costs_and_hops():
+    assert PRIOR_COSTS.target_time(32, 9) > 3 * PRIOR_COSTS.target_time(32, 1)
+    assert with_hops(PRIOR_COSTS, 0.02).hop("separate") == 0.02
+
+
+def _served_stats(k: int, decode_steps: int, budget_tail: bool = False, plain_decode: int = 0) -> RequestStats:
+    """A finished request's stats as the engine records them: the prefill's pass counts as a plain
+    step; K=k decode steps accepting 2 of k each; optional K=0 decode steps."""
+    stats = RequestStats()
+    stats.record_verify(0, 0)  # the prefill
+    for _ in range(decode_steps):
+        stats.record_verify(k, min(2, k))
+    for _ in range(plain_decode + budget_tail):
+        stats.record_verify(0, 0)
+    return stats
+
+
+def test_served_step_times_correct_the_routing():
+    """At batch 9 the engine-step costs send auto traffic to the plain pool. Served plain requests
+    then measure 2.5x their calibrated step (the serving loop's per-step cost; more than an engine's
+    own drift bounds believe) while co-located speculative steps match theirs: the router learns it
+    and routes speculation there too."""
+    st = _state(costs=synthetic_costs())
+    loads = {**ALL, "colocated": PoolLoad(active=8), "separate": PoolLoad(active=12)}
+    assert route(loads, state=st).pool == "plain"
+    cm, batch = st.cost_model(), loads["colocated"].joined_batch()
+    plain = _served_stats(k=0, decode_steps=40)
+    spec = _served_stats(k=4, decode_steps=10, budget_tail=True)  # ends on a K=0 step: still a K=4 request
+    assert spec.plain_steps == 2 and spec.mean_acceptance_length == 3.0
+    for _ in range(30):
+        st.observe_timing("separate", batch, spec, 1.0)  # hops: not a step-cost drift
+        st.observe_timing("colocated", batch, _served_stats(k=4, decode_steps=10, plain_decode=5), 1.0)  # K changed
+    assert route(loads, state=st).pool == "plain"
+    for _ in range(30):
+        st.observe_timing("plain", batch, plain, 2.5 * cm.calibrated_step_time(batch, 0))
+        st.observe_timing("colocated", batch, spec, cm.calibrated_step_time(batch, 4) / 3.0)
+    r = route(loads, state=st)
+    assert (r.pool, r.decision.regime) == ("colocated", "favorable") and r.decision.predicted_speedup > 1.2
+    st.set_costs(synthetic_costs(), "recalibrated")  # new costs: what was learnt is dropped
+    assert route(loads, state=st).pool == "plain"
+
+
+def test_a_budgeted_pool_is_routed_on_what_its_planner_will_do():
+    """With budgeted verification the co-located replica plans every step for its batch (K per row,
+    a 10% margin over a plain step): the router prices the pool with that plan, not with one K per
+    request, so the two agree on where speculation runs (and /v1/regimes says the same)."""
+    from specdec_core.step_planner import budgeted_choice
+
+    costs = synthetic_costs()
+    differ = 0
+    for active in range(0, 12):
+        loads = {"plain": PoolLoad(), "colocated": PoolLoad(active=active)}
+        per_request = route(loads, state=_state(costs=costs))
+        budgeted = route(loads, state=_state(costs=costs, budgeted=True))
+        plan = budgeted_choice(_state(costs=costs).cost_model(), active + 1, (0.9,) * 8)
+        assert (budgeted.pool == "colocated") == (plan.k > 0), (active, budgeted.decision)
+        if budgeted.pool == "colocated":
+            assert budgeted.decision.k == plan.k
+            assert budgeted.decision.predicted_speedup == pytest.approx(plan.predicted_speedup)
+        differ += (per_request.pool, per_request.decision.k) != (budgeted.pool, budgeted.decision.k)
+    assert differ  # the plan's pricing is not one K per request's
+    regimes = _state(costs=costs, budgeted=True).regimes({"plain": PoolLoad(), "colocated": PoolLoad()})
+    cls = regimes["classes"][0]
+    plan1 = budgeted_choice(_state(costs=costs).cost_model(), 1, (cls["acceptance"],) * 8)
+    assert (cls["best_k_batch1"], cls["predicted_speedup_batch1"]) == (plan1.k, pytest.approx(plan1.predicted_speedup))
+
+
+def test_served_timing_is_learnt_at_the_batch_the_request_decoded_in():
+    """A request that joined an idle pool (batch 1) and then decoded beside seven others teaches the
+    drift of batch 8, not of batch 1: its steps cost batch-8 steps."""
+    st = _state(costs=synthetic_costs())
+    cm = st.cost_model()
+    plain = _served_stats(k=0, decode_steps=40)
+    plain.decode_steps, plain.decode_batch_rows = 40, 40 * 8
+    for _ in range(5):
+        st.learn("plain", 1, TrafficClass.of("d", 0.0), plain, cm.calibrated_step_time(8, 0), migrated=False)
+    drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+    assert list(drift) == [3] and drift[3]["plain"] == pytest.approx(1.0), drift  # bucket of batch 8, as calibrated
+
+
+def test_a_request_is_priced_at_the_batch_it_will_decode_in():
+    """In a burst the first requests join an idle co-located pool and decode beside the ones that follow:
+    the router learns how many rows join a request while it decodes (per pool, from finished requests)
+    and prices the next one at that batch, not at the batch it joins; the lesson fades once the burst
+    is over (fake clock), and /v1/regimes shows it."""
+    now = [0.0]
+    st = _state(costs=synthetic_costs(), clock=lambda: now[0])
+    idle = {"plain": PoolLoad(), "colocated": PoolLoad()}
+    assert route(idle, state=st).pool == "colocated"  # batch 1 pays
+    assert route({"plain": PoolLoad(), "colocated": PoolLoad(active=7)}, state=st).pool == "plain"  # batch 8 does not
+    burst = _served_stats(k=4, decode_steps=12)
+    burst.decode_steps, burst.decode_batch_rows = 12, 12 * 8  # joined at batch 1, decoded at batch 8
+    for _ in range(10):
+        st.learn("colocated", 1, TrafficClass.of("d", 0.0), burst, 0.0, migrated=False)
+    assert st.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
+    assert st.joining("colocated", 8) == 0.0  # learnt for requests that joined at batch 1
+    assert st.regimes(idle)["pools"]["colocated"]["joining"] == pytest.approx(st.joining("colocated", 1))
+    r = route(idle, state=st)
+    assert r.pool == "plain" and "batch 7" in r.decision.reason, r.decision  # priced where it would decode
+    now[0] += 120.0  # four half-lives without a finished request: back to the batch it joins
+    assert st.joining("colocated", 1) < 0.5 and route(idle, state=st).pool == "colocated"
+
+
+def test_separate_overlap_and_k_from_the_cost_model():
+    """The separate loop's choices, in Theorem 3.8's world (a verify costs one plain step, 1 s; a
+    draft forward c s): overlap where the draft is as costly as the verify and acceptance is high,
+    not where most overlapped proposals would be dropped; an adaptive request's first K is the
+    engines' own AdaptiveK's, priced for the separate topology, and follows new costs."""
+    from specdec_core.costmodel import CostModel
+    from specdec_core.scheduler import ScheduledRequest
+
+    def costs(c):
+        return StepCosts((1, 64), (1, 9), ((1.0, 1.0), (1.0, 1.0)), (c, c), source="leviathan")
+
+    def req(params, accepted=0, judged=()):
+        r = ScheduledRequest("r", list(range(64)), params, CharTokenizer(), {99})
+        r.stats.accepted, r.stats.proposed_per_position = accepted, list(judged)
+        return r
+
+    high, low = (SamplingParams(num_speculative_tokens=4, class_acceptance=a) for a in (0.9, 0.3))
+    st = _state(costs=costs(0.25))
+    assert st.overlaps(1, 4, req(high))  # D = V = 1 s
+    assert not _state(costs=costs(0.5)).overlaps(1, 4, req(low))
+    # the request's own evidence outweighs its class: 400 judged draft tokens, 120 accepted
+    costly = _state(costs=costs(0.3))
+    assert costly.overlaps(1, 4, req(high))
+    assert not costly.overlaps(1, 4, req(high, 120, [100, 100, 100, 100]))
+    assert not _state(costs=costs(0.25), separate_overlap="never").overlaps(1, 4, req(high))
+    assert _state(costs=costs(0.5), separate_overlap="always").overlaps(1, 4, req(low))
+
+    adaptive_k = st.separate_adaptive(AcceptanceTracker(prior_mean=0.9))
+    cls = adaptive_k.traffic_class(0.0, "default")
+    state = adaptive_k.choose(None, cls, 0, 0, 1, 8, context_len=64, class_estimate=0.9)
+    want = CostModel(st.costs).best_k(1, 0.9, 8, "separate", allow_plain=False).k
+    assert state.k == want and 1 <= want < 8 and adaptive_k.topology == "separate"
+    st.set_costs(costs(0.05), "recalibrated")  # a cheaper draft: the loop's adaptive K prices with it
+    assert adaptive_k.view is st.view and adaptive_k.view.drift is st.drift
+    assert adaptive_k.choose(None, cls, 0, 0, 1, 8, context_len=64, class_estimate=0.9).k >= want
