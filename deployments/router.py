@@ -69,7 +69,7 @@ class Router:
         self._ready_checked = 0.0
         self._status_check: asyncio.Task | None = None  # a serve.status() question in flight
         self._costs_retry_at = 0.0
-        self._costs_task: asyncio.Task | None = None
+        self._costs_task: asyncio.Task | None = None  # the step costs' fetch, in flight or done
         self._app_name = serve.get_replica_context().app_name
         api.configure(cfg.max_body_bytes, cfg.max_header_bytes, cfg.api_key)
         logger.info("Router ready: pools=%s separate=%s max_len=%d", list(engines), target is not None,
@@ -175,19 +175,32 @@ class Router:
             app_status = status.applications.get(self._app_name)
             if app_status is not None and app_status.status == "RUNNING":
                 self._ready_at = time.monotonic()
-                # fetch the step costs now, not on the first auto request
-                self._costs_task = asyncio.get_running_loop().create_task(self._ensure_costs())
+                self._fetch_costs()  # now, not on the first auto request
         except Exception:
             logger.warning("serve.status() failed", exc_info=True)
         finally:
             self._status_check = None
 
     async def _ensure_costs(self) -> None:
-        """Fetch the co-located replicas' calibrated step costs once (until then: the prior table)."""
+        """The co-located replicas' calibrated step costs, fetched once (until then: the prior table). A
+        request that arrives while the fetch is out waits for it: the app's first auto request, sent the
+        moment it is ready, would otherwise route on the prior table."""
+        fetch = self._fetch_costs()
+        if fetch is not None:
+            await asyncio.shield(fetch)
+
+    def _fetch_costs(self) -> asyncio.Task | None:
+        """The fetch in flight, or a new one where it is due (None: fetched, or retried too recently)."""
+        if self._costs_task is not None and not self._costs_task.done():
+            return self._costs_task
         colocated = self.pools.engines.get(Pool.COLOCATED)
         if self.route_state.calibrated or colocated is None or time.monotonic() < self._costs_retry_at:
-            return
+            return None
         self._costs_retry_at = time.monotonic() + COSTS_RETRY_S
+        self._costs_task = asyncio.get_running_loop().create_task(self._costs_from(colocated))
+        return self._costs_task
+
+    async def _costs_from(self, colocated: DeploymentHandle) -> None:
         try:
             got = await asyncio.wait_for(colocated.costs.remote(), 10.0)
         except Exception:
