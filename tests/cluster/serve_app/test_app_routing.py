@@ -86,7 +86,9 @@ ROUTING_REGIMES = ("favorable", "high_entropy", "expensive_draft", "domain_misma
 
 
 def test_regimes_endpoint(client):
-    complete(client, user="regime-map")  # 24 tokens: enough decode steps to speculate
+    # a fixed K, so that every step judges draft tokens: an auto request may decode plain throughout where
+    # its adaptive K says so (the separate loop's, after the burst tests, did in 2 of 9 package runs)
+    complete(client, user="regime-map", speculation=COLOCATED)
     m = client.get("/v1/regimes").json()
     assert set(m) >= {"draft", "costs", "k_max", "pools", "classes"}
     assert m["costs"]["calibrated"] and m["costs"]["hop_overhead_s"]["separate"] == pytest.approx(0.002)
