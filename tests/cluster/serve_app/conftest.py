@@ -9,7 +9,17 @@ import os
 
 import httpx
 import pytest
-from served import EOS_AT, EOS_PROMPT, HEADER_TIMEOUT_S, app_args, free_port, greedy_ids, running_app, synthetic_costs
+from served import (
+    EOS_AT,
+    EOS_PROMPT,
+    HEADER_TIMEOUT_S,
+    app_args,
+    complete,
+    free_port,
+    greedy_ids,
+    running_app,
+    synthetic_costs,
+)
 
 
 def with_extra_eos(target: str, tmp_path_factory) -> str:
@@ -39,7 +49,11 @@ def server(tiny_models, tmp_path_factory):
     os.environ["SPECDEC_HTTP_HEADER_TIMEOUT_S"] = str(HEADER_TIMEOUT_S)
     try:
         with running_app(app_args(models, calibration), metrics_port=metrics_port) as app:
-            yield {**app, "target": models["target"], "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
+            # the app's first request, sent the moment it answers: whichever test runs first, one sees it
+            with httpx.Client(base_url=app["url"], timeout=120) as c:
+                first = complete(c, user="first-request")
+            yield {**app, "target": models["target"], "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+                   "first_response": first}
     finally:
         del os.environ["SPECDEC_HTTP_HEADER_TIMEOUT_S"]
 

@@ -14,6 +14,15 @@ from served import COLOCATED, MAX_INFLIGHT, PLAIN, complete, wait_idle
 pytestmark = pytest.mark.timeout(300)
 
 
+def test_the_first_auto_request_routes_on_the_calibrated_costs(server):
+    """Sent right after the app first answered: the router's fetch of the replicas' step costs may still
+    be out, and the request waits for it rather than routing on the prior table (which sent it to the
+    separate topology)."""
+    spec = server["first_response"]["speculation"]
+    assert spec["costs_source"].startswith("file:"), spec
+    assert spec["pool"] == "colocated", spec
+
+
 def test_auto_speculates_single_greedy_request(client):
     out = complete(client, max_tokens=32, user="regime-single")  # no speculation field: mode auto
     spec = out["speculation"]
