@@ -16,11 +16,16 @@ Rules, in order:
    spends compute that a wider plain batch turns into throughput.
 3. auto, latency: for each spec topology with replicas, evaluate the cost
    model's best K at the batch the request would join (the pool's active +
-   queued + 1 sequences spread over its replicas) plus the rows the pool's
+   queued + 1 sequences spread over its replicas, and where pools share their
+   cores the other pools' rows: ``PoolLoad.beside``) plus the rows the pool's
    finished requests saw join them while they decoded (``PoolLoad.joining``,
    learnt by the router); speculate in the fastest
    pool with room if its predicted speedup > 1 + margin and the request is not
-   prefill heavy, else plain.
+   prefill heavy, else plain. On shared cores the request stays with the load:
+   it joins the pool that holds most rows unless another is predicted
+   ``split_margin`` faster (two busy engines on the same cores serve less than
+   either alone), in a speculative pool while speculation there is within
+   ``split_margin`` of plain.
 
 A class that rule 3 keeps sending plain for its acceptance gets a few probe requests on speculation
 (``probe_route``, scheduled by ``autoscaling/exploration.py``) so that its estimate can recover; and
@@ -105,6 +110,8 @@ class PoolLoad:
     capacity: int = 64  # sequences one replica decodes at once
     joining: float = 0.0  # rows that, as the pool's finished requests measured, join a request while it decodes
     #                       (negative: rows leave)
+    beside: int = 0  # rows decoding in the other pools on the same cores (pools that share compute; else 0)
+    probing: int = 0  # of active: exploration probes (they run where routing did not put them)
 
     def has_room(self) -> bool:
         return self.active + self.queued < self.replicas * self.capacity
@@ -114,15 +121,23 @@ class PoolLoad:
         return math.ceil((self.active + self.queued + 1) / max(self.replicas, 1))
 
     def decode_batch(self) -> int:
-        """The batch the request can expect to decode in: the one it joins, plus the rows that join it
-        while it decodes (in a burst or a closed loop, a request that joins an idle pool decodes beside
-        the ones that arrive after it: priced at batch 1, it runs at the burst's batch)."""
-        return max(1, round(self.joined_batch() + self.joining))
+        """The batch the request is priced at: the one it joins, plus the rows that join it while it
+        decodes (in a burst or a closed loop, a request that joins an idle pool decodes beside the ones
+        that arrive after it: priced at batch 1, it runs at the burst's batch), plus the rows of the
+        pools that share its cores. Pools on shared cores are one engine's worth of compute split in
+        processes: a request that speculates at batch 3 beside five plain rows takes its time from
+        theirs, and only the whole load's batch says whether speculation pays."""
+        return max(1, round(self.whole_batch() + self.joining))
+
+    def whole_batch(self) -> int:
+        """Per-replica batch once this request joins, counting the rows of the pools that share its cores."""
+        return math.ceil((self.active + self.queued + self.beside + 1) / max(self.replicas, 1))
 
 
 @dataclass(frozen=True)
 class RoutingThresholds:
     margin: float = 0.05  # speculate only above 1 + margin predicted speedup
+    split_margin: float = 0.10  # on shared cores, leave the pool that holds the load only for this much more
     high_temperature: float = 0.7
     low_acceptance: float = 0.5
     min_evidence: float = 50.0  # judged tokens before a low a is blamed on the traffic
@@ -147,6 +162,9 @@ class RoutingContext:
     # Topologies whose replicas plan every step for the batch (budgeted verification): priced by that
     # plan (``step_planner.budgeted_choice``) instead of one K for every row
     budgeted: frozenset[str] = frozenset()
+    # The pools' engines share their cores (``PoolLoad.beside`` holds the other pools' rows): a request that
+    # leaves the pool holding the load makes two engines contend for them
+    shared_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -328,18 +346,63 @@ def route(ctx: RoutingContext) -> RoutingDecision:
         return _plain(regime, "no speculative pool available")
     if regime == "prefill_heavy":
         return _plain(regime, "too few decode steps to amortise the draft")
-    paying = [o for o in options if o.choice.k > 0 and o.choice.predicted_speedup > 1.0 + th.margin]
+    home = _home(ctx)
+    paying = [o for o in options if o.choice.k > 0
+              and o.choice.predicted_speedup > 1.0 + th.margin + _split(ctx, home, o.topology)]
+    stay = _stay(ctx, home, options)
+    if stay is not None and not any(o.choice.predicted_speedup - _split(ctx, home, o.topology)
+                                    > stay.choice.predicted_speedup for o in paying):
+        return RoutingDecision(stay.topology, stay.topology, stay.choice.k, regime, stay.choice.predicted_speedup,
+                               f"stays with the load on shared cores: K={stay.choice.k} at batch {stay.batch}, "
+                               f"predicted {stay.choice.predicted_speedup:.2f}, a={ctx.acceptance:.2f}")
     if not paying:
         cm = ctx.cost_models[best.topology]
-        return _plain(regime, f"predicted speedup {best.choice.predicted_speedup:.2f} <= {1.0 + th.margin:.2f} "
+        stays = " (stays with the load on shared cores)" if home == PLAIN_POOL and \
+            best.choice.predicted_speedup > 1.0 + th.margin else ""
+        return _plain(regime, f"predicted speedup {best.choice.predicted_speedup:.2f} <= "
+                              f"{1.0 + th.margin + _split(ctx, home, best.topology):.2f}{stays} "
                               f"(a={ctx.acceptance:.2f} on {ctx.evidence:.0f} judged tokens, "
                               f"c={cm.cost_ratio(best.batch):.2f}, batch {best.batch})")
     with_room = [o for o in paying if ctx.loads[o.topology].has_room()]
     if not with_room:
         return _plain(regime, "speculative pools full")
-    opt = max(with_room, key=lambda o: o.choice.predicted_speedup)
+    opt = max(with_room, key=lambda o: o.choice.predicted_speedup - _split(ctx, home, o.topology))
     reason = f"K={opt.choice.k} at batch {opt.batch}, a={ctx.acceptance:.2f}"
     return RoutingDecision(opt.topology, opt.topology, opt.choice.k, regime, opt.choice.predicted_speedup, reason)
+
+
+def _home(ctx: RoutingContext) -> str | None:
+    """On shared cores, the pool that holds most of the load's rows (None: an idle load, or cores of their own).
+    A probe in a speculative pool counts as the plain row routing made it (a probe runs where routing did
+    not put it): counted where it ran, a probe that went first into an idle load drew the rest of a burst
+    after it (measured on the tiny family: a third of a c=8 load followed probes into the co-located pool)."""
+    rows = {p: load.active + load.queued - (load.probing if p != PLAIN_POOL else 0) for p, load in ctx.loads.items()}
+    if PLAIN_POOL in rows:
+        rows[PLAIN_POOL] += sum(load.probing for p, load in ctx.loads.items() if p != PLAIN_POOL)
+    home = max(rows, key=rows.__getitem__, default=None)
+    return home if ctx.shared_compute and home is not None and rows[home] else None
+
+
+def _split(ctx: RoutingContext, home: str | None, pool: str) -> float:
+    """What leaving the pool that holds the load must buy: measured here, auto splitting a c=8 load over
+    the pools on 2 cores served 0.85-0.95x of either pool alone (two engines and the serving processes
+    contend, where the cost model prices each pool as if it ran alone)."""
+    return ctx.thresholds.split_margin if home is not None and pool != home else 0.0
+
+
+def _stay(ctx: RoutingContext, home: str | None, options: list[_Option]) -> _Option | None:
+    """The speculative pool that holds the load on shared cores, priced with K >= 1 for a request that
+    joins it, where speculation there is within ``split_margin`` of plain (the replica's adaptive K goes
+    down to K=0 where it does not pay); None where the load is not in a speculative pool, or it is full,
+    or a budgeted pool would plan the request plain."""
+    opt = next((o for o in options if o.topology == home and ctx.loads[o.topology].has_room()), None)
+    if opt is None or home in ctx.budgeted and opt.choice.k == 0:
+        return None
+    choice = opt.choice if opt.choice.k > 0 else ctx.cost_models[home].best_k(
+        opt.batch, ctx.acceptance, ctx.k_max, home, allow_plain=False)
+    if choice.predicted_speedup <= 1.0 + ctx.thresholds.margin - ctx.thresholds.split_margin:
+        return None
+    return replace(opt, choice=choice)
 
 
 def probe_route(ctx: RoutingContext, plain: RoutingDecision) -> RoutingDecision | None:
@@ -405,13 +468,15 @@ def scheduled_probe(ctx: RoutingContext, decision: RoutingDecision, acceptance_p
     other speculative topology (``topology_probe_route``), or the acceptance probe's speculation
     (a calibration that undersells served speculation keeps a class plain, and only served
     speculative steps can say so). ``measured(batch, kind)`` gives that bucket and whether served
-    steps of ``kind`` ("plain", "colocated", "separate") are measured there. None: run ``decision``."""
+    steps of ``kind`` ("plain", "colocated", "separate") are measured there; on shared cores a cost probe
+    runs only where no other pool's rows would decode beside it (beside them its steps teach no drift,
+    ``RouteState._ran_alone``, and the probes would go on forever). None: run ``decision``."""
     spec = probe_route(ctx, decision)
     if spec is not None and acceptance_probes.probe_due(ctx.features.traffic_class, now):
         return spec
     for probe in (cost_probe_route(ctx, decision), topology_probe_route(ctx, decision), spec):
-        if probe is None:
-            continue
+        if probe is None or ctx.shared_compute and ctx.loads[probe.pool].beside:
+            continue  # on shared cores a step beside another pool's rows measures no served cost of its own
         bucket, seen = measured(ctx.loads[probe.pool].joined_batch(), probe.pool)
         if not seen:
             if not cost_probes.probe_due((probe.pool, bucket), now):

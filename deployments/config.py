@@ -137,6 +137,9 @@ class AppConfig(BaseModel):
     k_max: int = Field(8, ge=1, le=16, description="Largest K a request may ask for and the router may choose.")
     route_margin: float = Field(0.05, ge=0, description="mode=auto speculates only where the cost model predicts a "
                                                         "speedup above 1 + route_margin (autoscaling/routing.py).")
+    route_split_margin: float = Field(0.10, ge=0, description="Where the pools share their cores "
+                                      "(pools_share_compute), mode=auto leaves the pool that holds the load only "
+                                      "for this much more predicted speedup (autoscaling/routing.py).")
     acceptance_prior: float = Field(0.6, gt=0, lt=1, description="Prior acceptance rate of the draft (e.g. from its "
                                                                  "model card) until a traffic class has evidence.")
     acceptance_prior_weight: float = Field(20.0, gt=0, description="Weight of that prior, in judged draft tokens.")
@@ -175,6 +178,11 @@ class AppConfig(BaseModel):
                                         "a whole: each auto request's K (0 allowed) under the step's cost, the rows "
                                         "verified at their own widths (specdec_core/step_planner.py), in place of "
                                         "each request's own adaptive K.")
+    pools_share_compute: bool | None = Field(None, description="mode=auto prices speculation at the batch of the "
+                                             "whole load (every pool's rows), not the pool's own, because the pools' "
+                                             "engines take their time from one set of cores; null: yes where the "
+                                             "engine processes' torch threads outnumber the node's CPUs (a CPU "
+                                             "device) or a target-bearing pool takes a fraction of a GPU.")
     separate_overlap: Literal["auto", "always", "never"] = Field(
         "auto", description="Separate topology: the Draft proposes a request's next round while the Target verifies "
         "this one (PEARL's post-verify, deployments/separate_loop.py). auto: where the cost model says it pays "
@@ -264,6 +272,22 @@ class AppConfig(BaseModel):
     @property
     def has_separate(self) -> bool:
         return self.draft is not None and self.target_deployment.num_replicas > 0
+
+    def pools_share_compute_on(self, cpus: int) -> bool:
+        """``pools_share_compute``, or where null whether the pools' engines share their compute on a node of
+        ``cpus`` CPUs: measured on 2 vCPUs, auto splitting c=8 over three pools served 0.95x of plain alone,
+        each pool priced at its own batch (BENCHMARKS.md, "Pricing the whole load on shared cores")."""
+        if self.pools_share_compute is not None:
+            return self.pools_share_compute
+        targets = [p for p, on in ((self.plain, self.has_plain), (self.colocated, self.has_colocated),
+                                   (self.target_deployment, self.has_separate)) if on]
+        if any(p.num_gpus > 0 for p in targets):
+            return any(p.num_gpus < 1 for p in targets)
+        processes = (self.plain.routing_replicas if self.has_plain else 0) \
+            + (self.colocated.routing_replicas if self.has_colocated else 0)
+        if self.has_separate:
+            processes += self.target_deployment.num_replicas + self.draft_deployment.num_replicas
+        return processes * self.torch_threads > cpus
 
     def resolved(self) -> AppConfig:
         """A copy with local model paths made absolute, so replicas find them whatever their cwd."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -61,6 +62,10 @@ class Pools:
         self.replicas = {Pool.PLAIN: cfg.plain.routing_replicas, Pool.COLOCATED: cfg.colocated.routing_replicas,
                          Pool.SEPARATE: cfg.target_deployment.num_replicas}
         self.active = {p: 0 for p in POOLS}
+        self.probing = {p: 0 for p in POOLS}  # of active: exploration probes
+        # the integral of all pools' rows over time, to the last change of a count: the mean batch of the
+        # whole load over a request's life (what pools that share their cores decode beside it)
+        self._row_seconds, self._rows_at = 0.0, time.perf_counter()
         self.engine_messages = 0  # deltas received from engine replicas (tests: coalescing)
         self.migrations = 0
         self.down: set[str] = set()  # pools that lost a replica and have not answered a probe since
@@ -73,7 +78,7 @@ class Pools:
 
     def loads(self) -> dict[str, PoolLoad]:
         """Live loads of the pools that can take a request now: the requests this router runs in each."""
-        return {p: PoolLoad(self.active[p], 0, self.replicas[p], self._cfg.max_batch_size)
+        return {p: PoolLoad(self.active[p], 0, self.replicas[p], self._cfg.max_batch_size, probing=self.probing[p])
                 for p in self.deployed if p not in self.down}
 
     def _lost(self, pool: str) -> None:
@@ -102,7 +107,9 @@ class Pools:
     async def generate(self, run: Execution) -> AsyncIterator[Delta]:
         """Deltas of one request on its pool; the pool's load counter covers its lifetime."""
         d = run.plan.decision
-        self._count(run.pool, +1)
+        replicas = max(1, self.replicas[run.pool])
+        joined_rows, rows_since = math.ceil((sum(self.active.values()) + 1) / replicas), self._row_clock()
+        self._count(run.pool, +1, run.plan.probe)
         self._metrics.routed(run.pool, d.k, d.regime, run.plan.requested_mode, d.predicted_speedup)
         t0, last = time.perf_counter(), None
         t_first, n_first, n_out, per_token = None, 0, 0, 0.0
@@ -123,25 +130,39 @@ class Pools:
             finally:
                 await gen.aclose()
         finally:
-            self._count(run.pool, -1)  # where it finished: a migrated request moved
+            decoded_rows = self._mean_rows(rows_since) / replicas
+            self._count(run.pool, -1, run.plan.probe)  # where it finished: a migrated request moved
             try:
                 self._report(run, last, per_token, time.perf_counter() - t0,
-                             _time_to_first_token(t0, t_first, n_first, n_out, last))
+                             _time_to_first_token(t0, t_first, n_first, n_out, last), (joined_rows, decoded_rows))
             except Exception:
                 logger.exception("metrics update failed")
 
-    def _count(self, pool: str, n: int) -> None:
+    def _row_clock(self) -> tuple[float, float]:
+        """(row-seconds of all pools so far, now)."""
+        now = time.perf_counter()
+        return self._row_seconds + sum(self.active.values()) * (now - self._rows_at), now
+
+    def _mean_rows(self, since: tuple[float, float]) -> float:
+        """All pools' mean rows since ``since`` (a ``_row_clock`` reading)."""
+        row_seconds, now = self._row_clock()
+        return (row_seconds - since[0]) / (now - since[1]) if now > since[1] else 0.0
+
+    def _count(self, pool: str, n: int, probe: bool = False) -> None:
+        self._row_seconds, self._rows_at = self._row_clock()
         self.active[pool] += n
+        self.probing[pool] += n if probe else 0
         self._metrics.set_running(pool, self.active[pool])
 
     def _report(self, run: Execution, last: Delta | None, per_token: float, latency_s: float,
-                ttft_s: float | None) -> None:
-        """A request ended: the route state learns from its stats, the metrics record it."""
+                ttft_s: float | None, whole_load: tuple[int, float]) -> None:
+        """A request ended: the route state learns from its stats and from the rows of all pools when it
+        was routed and on average while it ran (``whole_load``), the metrics record it."""
         d = run.plan.decision
         stats = last.stats if last is not None and last.finished else None
         if stats is not None:
             self._route_state.learn(run.pool, run.plan.batch, run.plan.traffic_class, stats, per_token,
-                                    migrated=run.migrations > 0)
+                                    migrated=run.migrations > 0, whole_load=whole_load)
         if stats is not None and stats.proposed:
             tr = self._route_state.tracker
             self._metrics.acceptance(run.plan.traffic_class, tr.estimate(run.plan.traffic_class),
@@ -171,8 +192,8 @@ class Pools:
                 run.pool = self._migration_pool(lost)
                 run.migrations += 1
                 self.migrations += 1
-                self._count(lost, -1)
-                self._count(run.pool, +1)
+                self._count(lost, -1, run.plan.probe)
+                self._count(run.pool, +1, run.plan.probe)
                 self._metrics.migrations.inc(tags={"pool": lost})
                 logger.warning("request %s: %s replica lost after %d tokens; continuing on %s", run.plan.request_id,
                                lost, len(emitted), run.pool, exc_info=True)

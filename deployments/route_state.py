@@ -14,6 +14,7 @@ own, the rest share hashed buckets), or "default" (``specdec_core.acceptance.Tra
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping
 
@@ -65,6 +66,9 @@ SERVED_DRIFT_MIN_REQUESTS = 3  # finished requests on each side of a batch bucke
 # that a burst's pricing does not outlive the burst.
 JOINING_WEIGHT = 0.2
 JOINING_HALF_LIFE_S = 30.0
+# On shared cores, a request teaches the served drift only where other pools held at most this share of the rows
+# while it ran (``RouteState._ran_alone``).
+ALONE_SHARE = 0.1
 # A representative temperature per bucket, for the /v1/regimes choice of a class.
 BUCKET_TEMPERATURE = {"greedy": 0.0, "low": 0.3, "mid": 0.8, "high": 1.5}
 
@@ -110,6 +114,7 @@ class RouteState:
         exploration: Exploration | None = None,
         clock: Callable[[], float] = time.monotonic,
         budgeted: bool = False,
+        shared_compute: bool = False,
     ):
         self.draft_name = draft_name or "none"
         self.tracker = tracker
@@ -126,21 +131,25 @@ class RouteState:
         self.clock = clock
         # co-located replicas plan every step for the batch (config budgeted_verification): priced so
         self.budgeted = frozenset({Pool.COLOCATED}) if budgeted else frozenset()
+        # the pools' engines share their cores (AppConfig.pools_share_compute_on): priced at the whole load
+        self.shared_compute = shared_compute
         self._separate_adaptive: AdaptiveK | None = None
         # (pool, joined-batch bucket) -> (rows that joined while its requests decoded, when learnt)
         self._joining: dict[tuple[str, int], tuple[float, float]] = {}
         self.set_costs(PRIOR_COSTS)
 
     @classmethod
-    def from_config(cls, cfg: AppConfig, context_limit: int, clock: Callable[[], float] = time.monotonic
-                    ) -> RouteState:
-        """The router's state as the app's config sets it up."""
+    def from_config(cls, cfg: AppConfig, context_limit: int, clock: Callable[[], float] = time.monotonic,
+                    cpus: int | None = None) -> RouteState:
+        """The router's state as the app's config sets it up, on a node of ``cpus`` CPUs (None: this one's)."""
         tracker = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight, cfg.acceptance_half_life_tokens,
                                     half_life_s=cfg.acceptance_half_life_s, clock=clock)
         return cls(model_label(cfg.draft), tracker, cfg.k_max, cfg.default_k, context_limit,
-                   cfg.separate_hop_overhead_s, cfg.separate_overlap, RoutingThresholds(margin=cfg.route_margin),
+                   cfg.separate_hop_overhead_s, cfg.separate_overlap,
+                   RoutingThresholds(margin=cfg.route_margin, split_margin=cfg.route_split_margin),
                    DomainTable(cfg.max_traffic_classes, cfg.traffic_class_buckets, cfg.traffic_class_promote_after),
-                   Exploration(cfg.probe_share), clock, cfg.budgeted_verification)
+                   Exploration(cfg.probe_share), clock, cfg.budgeted_verification,
+                   cfg.pools_share_compute_on(cpus or os.cpu_count() or 1))
 
     # ---- costs -------------------------------------------------------------------------------
     def set_costs(self, costs: StepCosts, source: str | None = None, sampled_costs: StepCosts | None = None
@@ -220,13 +229,14 @@ class RouteState:
             k_max=self.k_max,
             thresholds=self.thresholds,
             budgeted=self.budgeted,
+            shared_compute=self.shared_compute,
         )
 
     # ---- decision ------------------------------------------------------------------------------
     def decide(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> Route:
         """`route()` over the deployed pools (``loads`` holds only those); a class that goes plain
         for its acceptance sends its scheduled probes to speculation. Raises RoutingError."""
-        loads = self.with_joining(loads)
+        loads = self.priced_loads(loads)
         ctx = self.context(features, loads)
         d = route(ctx)
         probe = scheduled_probe(ctx, d, self.exploration, self.cost_probes, self._measured, self.clock())
@@ -241,19 +251,29 @@ class RouteState:
         adaptive = features.mode == "auto" and features.k is None and d.k > 0 and pool in SPEC_TOPOLOGIES
         return Route(d, pool, loads[pool].joined_batch(), adaptive, features.traffic_class)
 
-    def with_joining(self, loads: Mapping[str, PoolLoad]) -> dict[str, PoolLoad]:
-        """The pools' loads with the rows that have been joining requests that joined them at such a batch."""
-        return {p: dataclasses.replace(load, joining=self.joining(p, load.joined_batch())) for p, load in loads.items()}
+    def priced_loads(self, loads: Mapping[str, PoolLoad]) -> dict[str, PoolLoad]:
+        """The pools' loads as routing prices them: with the rows that have been joining requests that
+        joined them at such a batch, and, where the pools share their cores, the other pools' rows."""
+        rows = {p: load.active + load.queued for p, load in loads.items()}
+        total = sum(rows.values())
+        shared = {p: dataclasses.replace(load, beside=total - rows[p] if self.shared_compute else 0)
+                  for p, load in loads.items()}
+        return {p: dataclasses.replace(load, joining=self.joining(p, load.whole_batch())) for p, load in shared.items()}
 
     def joining(self, pool: str, joined: int) -> float:
         """Rows that joined ``pool``'s recent requests that joined at a batch like ``joined`` while they
-        decoded (negative: rows left), faded since it was learnt."""
-        value, at = self._joining.get((pool, self.drift.bucket(joined)), (0.0, 0.0))
+        decoded (negative: rows left), faded since it was learnt. On shared cores the rows are the whole
+        load's, and so is the lesson: one for every pool, so that no pool looks emptier than another
+        for where its requests happened to join."""
+        value, at = self._joining.get(self._joining_key(pool, joined), (0.0, 0.0))
         return value * 0.5 ** ((self.clock() - at) / JOINING_HALF_LIFE_S)
+
+    def _joining_key(self, pool: str, joined: int) -> tuple[str, int]:
+        return ("whole" if self.shared_compute else pool), self.drift.bucket(joined)
 
     def _learn_joining(self, pool: str, joined: int, decoded: float) -> None:
         value = self.joining(pool, joined)
-        self._joining[pool, self.drift.bucket(joined)] = (value + JOINING_WEIGHT * (decoded - joined - value),
+        self._joining[self._joining_key(pool, joined)] = (value + JOINING_WEIGHT * (decoded - joined - value),
                                                           self.clock())
 
     def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
@@ -262,18 +282,32 @@ class RouteState:
 
     # ---- feedback ------------------------------------------------------------------------------
     def learn(self, pool: str, batch: int, cls: TrafficClass, stats: RequestStats, seconds_per_token: float,
-              migrated: bool) -> None:
+              migrated: bool, whole_load: tuple[int, float] | None = None) -> None:
         """A request finished: its judged draft tokens teach the acceptance estimate of its class, its
         measured time per token the served drift (not after a migration: a re-prefill is no step time)
         at the batch its decode steps ran in (``batch``, the one it joined, only when it ran none: in a
         closed loop a request that joined an idle pool decodes beside the ones that follow it, and
-        timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration)."""
-        if stats.mean_decode_batch and not migrated:
-            self._learn_joining(pool, batch, stats.mean_decode_batch)
-        if seconds_per_token and not migrated:
+        timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration).
+        Where the pools share their cores, the rows that joined it are the whole load's: ``whole_load``
+        = (all pools' rows once it joined, their mean while it ran), per replica of its pool."""
+        if not migrated:
+            if self.shared_compute and whole_load is not None and whole_load[1]:
+                self._learn_joining(pool, *whole_load)
+            elif not self.shared_compute and stats.mean_decode_batch:
+                self._learn_joining(pool, batch, stats.mean_decode_batch)
+        if seconds_per_token and not migrated and self._ran_alone(stats, whole_load):
             self.observe_timing(pool, stats.mean_decode_batch or batch, stats, seconds_per_token, cls)
         if stats.proposed:
             self.observe(cls, stats)
+
+    def _ran_alone(self, stats: RequestStats, whole_load: tuple[int, float] | None) -> bool:
+        """Did the request's pool have the cores to itself while it decoded (always, where pools do not
+        share them)? On shared cores a step beside another pool's rows measures their contention, not its
+        own cost: a plain request that decoded beside co-located rows read its steps 1.27x the calibration
+        where plain alone read 1.07x, and that drift made speculation at batch 8 look cheaper than plain."""
+        if not self.shared_compute or whole_load is None or not stats.mean_decode_batch:
+            return True
+        return whole_load[1] - stats.mean_decode_batch <= ALONE_SHARE * whole_load[1]
 
     def observe(self, cls: TrafficClass, stats: RequestStats) -> None:
         """A finished request's speculation stats: judged positions per position
@@ -373,6 +407,7 @@ class RouteState:
                       # served / calibrated step time per batch bucket (log2), learnt from finished requests
                       "drift": {b: dataclasses.asdict(d) for b, d in self.drift.buckets.items()}},
             "k_max": self.k_max,
-            "pools": {p: dataclasses.asdict(load) for p, load in self.with_joining(loads).items()},
+            "pools": {p: dataclasses.asdict(load) for p, load in self.priced_loads(loads).items()},
+            "shared_compute": self.shared_compute,
             "classes": out,
         }

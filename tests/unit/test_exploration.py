@@ -126,6 +126,19 @@ def test_cost_probes_measure_plain_steps_then_stop():
     assert not any(_request(st).probe for _ in range(20))
 
 
+def test_on_shared_cores_cost_probes_run_only_where_they_would_decode_alone():
+    """On shared cores a step beside another pool's rows teaches no drift, so a cost probe sent there
+    would measure nothing and recur forever: with rows decoding in the co-located pool none runs plain;
+    with the load in the plain pool itself (where a probe decodes alone) the probes run as before."""
+    now = [0.0]
+    st = _state(now)
+    st.shared_compute = True
+    beside = {"plain": PoolLoad(), "colocated": PoolLoad(active=1)}
+    assert not any(_request(st, beside).probe for _ in range(20))
+    probes = [r for r in (_request(st) for _ in range(20)) if r.probe]
+    assert len(probes) == 4 and all(r.pool == "plain" for r in probes)
+
+
 def test_topology_probes_let_served_rounds_rank_the_topologies():
     """The calibration prices co-located a little ahead of separate (1.52x against 1.45x). While
     served separate rounds at batch 1 are unmeasured, a share of the auto requests that would go

@@ -295,3 +295,77 @@ def test_separate_overlap_and_k_from_the_cost_model():
     st.set_costs(costs(0.05), "recalibrated")  # a cheaper draft: the loop's adaptive K prices with it
     assert adaptive_k.view is st.view and adaptive_k.view.drift is st.drift
     assert adaptive_k.choose(None, cls, 0, 0, 1, 8, context_len=64, class_estimate=0.9).k >= want
+
+
+def test_pools_on_shared_cores_are_priced_at_the_whole_load():
+    """Six rows decoding plain: a request that would join the idle co-located pool runs at batch 1 on
+    cores of its own, and at the whole load's batch where the pools share their cores (it takes its
+    time from the plain rows'); there it goes plain, and the regime says the batch decided."""
+    busy = {"plain": PoolLoad(active=6), "colocated": PoolLoad()}
+    own = route(busy, state=_state(costs=synthetic_costs()))
+    shared = _state(costs=synthetic_costs(), shared_compute=True)
+    whole = route(busy, state=shared)
+    assert own.pool == "colocated" and own.batch == 1, own.decision
+    assert whole.pool == "plain" and whole.decision.regime == "large_batch" and "batch 7" in whole.decision.reason
+    assert route({"plain": PoolLoad(), "colocated": PoolLoad()}, state=shared).pool == "colocated"  # idle: batch 1
+    assert shared.regimes(busy)["pools"]["colocated"]["beside"] == 6 and shared.regimes(busy)["shared_compute"]
+
+
+def test_the_config_says_when_pools_share_their_compute():
+    """Null: shared where the engine processes' threads outnumber the CPUs (the default config's four
+    single-threaded engines on 2 cores, not on 8), or where target-bearing pools take a fraction of a GPU."""
+    from deployments.config import AppConfig
+
+    default = AppConfig(target="t", draft="d", plain={"num_replicas": 1}, colocated={"num_replicas": 1},
+                        draft_deployment={"num_replicas": 1}, target_deployment={"num_replicas": 1})
+    assert default.pools_share_compute_on(2) and not default.pools_share_compute_on(8)
+    assert default.model_copy(update={"torch_threads": 2}).pools_share_compute_on(4)
+    gpu = {"num_replicas": 1, "num_gpus": 1}
+    assert not default.model_copy(update={"plain": default.plain.model_copy(update=gpu),
+                                          "colocated": default.colocated.model_copy(update=gpu),
+                                          "target_deployment": default.target_deployment.model_copy(
+                                              update=gpu)}).pools_share_compute_on(2)
+    half = default.model_copy(update={"plain": default.plain.model_copy(update={"num_gpus": 0.5})})
+    assert half.pools_share_compute_on(64)
+    assert not default.model_copy(update={"pools_share_compute": False}).pools_share_compute_on(2)
+
+
+def test_on_shared_cores_the_rows_that_join_a_request_are_the_whole_loads():
+    """A burst on shared cores: a request joined an idle system and ran beside seven rows of any pool
+    (``whole_load``: per-replica rows when it joined, and their mean while it ran). The router learns
+    that the next request to join an idle system decodes at batch 8, where speculation does not pay;
+    its own pool's batch (1, alone in the co-located pool) does not teach it, and every pool learns it
+    (no pool looks emptier than another for where its requests happened to join)."""
+    st = _state(costs=synthetic_costs(), shared_compute=True)
+    idle = {"plain": PoolLoad(), "colocated": PoolLoad()}
+    assert route(idle, state=st).pool == "colocated"
+    alone = _served_stats(k=4, decode_steps=12)
+    alone.decode_steps, alone.decode_batch_rows = 12, 12  # its own pool: batch 1 throughout
+    for _ in range(10):
+        st.learn("colocated", 1, TrafficClass.of("d", 0.0), alone, 0.0, migrated=False, whole_load=(1, 8.0))
+    assert st.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
+    assert st.joining("separate", 1) == pytest.approx(st.joining("colocated", 1))  # the whole load: every pool
+    r = route(idle, state=st)
+    assert r.pool == "plain" and r.decision.regime == "large_batch", r.decision
+
+
+def test_on_shared_cores_a_request_beside_another_pools_rows_teaches_no_drift():
+    """A plain request that decoded at batch 6 while the whole load averaged 8 rows (two in the
+    co-located pool, on the same cores) measured their contention, not its step: where pools share
+    their cores it teaches no drift; one that had the cores to itself does, and on cores of their own
+    both do."""
+    def plain_at(batch: int) -> RequestStats:
+        stats = _served_stats(k=0, decode_steps=40)
+        stats.decode_steps, stats.decode_batch_rows = 40, 40 * batch
+        return stats
+
+    for shared, beside, learnt in ((True, True, False), (True, False, True), (False, True, True)):
+        st = _state(costs=synthetic_costs(), shared_compute=shared)
+        slow = 1.5 * st.cost_model().calibrated_step_time(6, 0)
+        for _ in range(5):
+            st.learn("plain", 6, TrafficClass.of("d", 0.0), plain_at(6), slow, migrated=False,
+                     whole_load=(6, 8.0 if beside else 6.0))
+        drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+        assert (3 in drift) == learnt, (shared, beside, drift)
+        if learnt:
+            assert drift[3]["plain"] == pytest.approx(1.5) and drift[3]["plain_steps"] == 5

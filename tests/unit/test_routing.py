@@ -1,5 +1,7 @@
 """Routing policy on synthetic cost models: one case per regime, explicit overrides, validation."""
 
+from dataclasses import replace
+
 import pytest
 
 from autoscaling.routing import (
@@ -201,3 +203,40 @@ def test_classify_regime_table():
     for change, regime in cases:
         assert classify_regime(RegimeEvidence(**{**base, **change}), th) == regime
     assert {r for _, r in cases} == set(REGIMES) - {"unknown"}  # unknown: no pool priced it
+
+
+def _shared(a: float, rows: dict, shared: bool = True) -> RoutingContext:
+    """Pools on one set of cores: each pool's rows, and the other pools' beside them."""
+    rows = {"plain": 0, "colocated": 0, **rows}
+    total = sum(rows.values())
+    return RoutingContext(features=RequestFeatures(temperature=0.0, max_tokens=256, prompt_tokens=64),
+                          loads={p: PoolLoad(active=r, beside=total - r) for p, r in rows.items()},
+                          cost_models={"colocated": model()}, acceptance=a, evidence=1000.0, context_limit=2048,
+                          shared_compute=shared)
+
+
+def _acceptance_priced(lo: float, hi: float, batch: int = 6) -> float:
+    """An acceptance at which the co-located pool's best K >= 1 at ``batch`` is predicted in (lo, hi)."""
+    return next(a / 100 for a in range(5, 100)
+                if lo < model().best_k(batch, a / 100, 8, "colocated", allow_plain=False).predicted_speedup < hi)
+
+
+def test_on_shared_cores_a_request_stays_with_the_load_unless_leaving_clearly_pays():
+    """Five rows decode on shared cores; the next request is priced at the whole load's batch (6).
+    Near break-even it joins the pool that holds the load (a split makes two engines contend: measured
+    0.85-0.95x of either pool alone), and leaves it only for ``split_margin`` more."""
+    marginal = _acceptance_priced(1.06, 1.14)  # pays by the margin, not by the split margin
+    d = route(_shared(marginal, {"plain": 5}))
+    assert d.pool == "plain" and "stays with the load" in d.reason, d
+    assert route(_shared(marginal, {"colocated": 5})).pool == "colocated"
+    assert route(_shared(marginal, {"plain": 5}, shared=False)).pool == "colocated"  # cores of their own
+    losing = _acceptance_priced(0.96, 1.04)  # within the split margin of plain: stays speculative
+    d = route(_shared(losing, {"colocated": 5}))
+    assert d.pool == "colocated" and d.k > 0 and "stays with the load" in d.reason, d
+    assert route(_shared(losing, {"plain": 5})).pool == "plain"
+    assert route(_shared(_acceptance_priced(0.5, 0.9), {"colocated": 5})).pool == "plain"  # clearly loses: leaves
+    assert route(_shared(_acceptance_priced(1.3, 9.0), {"plain": 5})).pool == "colocated"  # clearly pays: leaves
+    assert route(_shared(marginal, {})).pool == "colocated"  # an idle load has no pool to stay with
+    probed = _shared(marginal, {"colocated": 5})  # the co-located rows are probes of plain requests:
+    probed = replace(probed, loads={**probed.loads, "colocated": replace(probed.loads["colocated"], probing=5)})
+    assert route(probed).pool == "plain"  # the load's pool is plain, as routing made them

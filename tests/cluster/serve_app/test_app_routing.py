@@ -5,6 +5,7 @@ Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import httpx
@@ -63,11 +64,13 @@ def test_auto_adaptive_k_drops_to_plain_inside_replica(client):
 
 
 def test_auto_burst_goes_plain_in_large_batch_regime(server):
-    """Concurrent auto requests, each its own traffic class (fresh `user`: acceptance = the prior):
-    the first ones speculate; once both spec pools' batches pass break-even at a = 0.9 (under the
-    synthetic costs co-located batch 7, separate 5 per Target replica, i.e. 8 sequences on its two;
-    the served drift moves both a little) the rest go to the plain pool, labelled large_batch. The
-    burst (30) is larger than the two pools' paying capacity plus the cost probes, so some must."""
+    """Concurrent auto requests, each its own traffic class (fresh `user`: acceptance = the prior). The
+    app's five engine processes share this machine's cores where it has fewer (``pools_share_compute``
+    null), so each request is priced at the whole burst's batch: the first ones speculate
+    (favorable), later ones stay with the load in the speculative pool while speculation there is
+    within ``route_split_margin`` of plain (under the synthetic costs K=1 stays within 2% of plain up
+    to batch 30), and past break-even (co-located at a = 0.9: batch 7) they are labelled large_batch
+    whether they stay or run plain. On cores of their own the rest go to the plain pool."""
     wait_idle(server)
     n = MAX_INFLIGHT - 2
 
@@ -82,12 +85,23 @@ def test_auto_burst_goes_plain_in_large_batch_regime(server):
             return await asyncio.gather(*(one(i) for i in range(n)))
 
     specs = asyncio.run(burst())
-    seen = [(s["pool"], s["batch"], s["probe"], s["regime"]) for s in specs]
-    spec_pool = [s for s in specs if s["pool"] in ("colocated", "separate")]
-    plain = [s for s in specs if s["pool"] == "plain" and not s["probe"]]  # a cost probe runs plain too
-    assert spec_pool and all(s["regime"] == "favorable" and s["predicted_speedup"] > 1.05 for s in spec_pool), seen
-    assert plain and all(s["regime"] == "large_batch" and s["num_speculative_tokens"] == 0 for s in plain), seen
+    seen = [(s["pool"], s["batch"], s["probe"], s["regime"], s["route_reason"]) for s in specs]
+    spec_pool = [s for s in specs if s["pool"] in ("colocated", "separate") and not s["probe"]]
+    plain = [s for s in specs if s["pool"] == "plain" and not s["probe"]]
+    assert spec_pool and all(s["regime"] == "favorable" and s["predicted_speedup"] > 1.05
+                             or s["route_reason"].startswith("stays with the load") for s in spec_pool), seen
+    assert any(s["regime"] == "favorable" for s in spec_pool), seen
+    large = [s for s in specs if s["regime"] == "large_batch" and not s["probe"]]
+    assert large and all(s["pool"] == "plain" and s["num_speculative_tokens"] == 0
+                         or s["route_reason"].startswith("stays with the load") for s in large), seen
+    if not server_shares_cores():
+        assert plain, seen  # on cores of their own, past break-even the rest go plain
     wait_idle(server)
+
+
+def server_shares_cores() -> bool:
+    """The app's five single-threaded engine processes outnumber this machine's CPUs."""
+    return 5 > (os.cpu_count() or 1)
 
 
 ROUTING_REGIMES = ("favorable", "high_entropy", "expensive_draft", "domain_mismatch", "large_batch",
@@ -103,7 +117,8 @@ def test_regimes_endpoint(client):
     assert m["costs"]["calibrated"] and m["costs"]["hop_overhead_s"]["separate"] == pytest.approx(0.002)
     assert isinstance(m["costs"]["drift"], dict)
     assert set(m["pools"]) == {"plain", "colocated", "separate"}
-    assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity", "joining"}
+    assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity", "joining", "beside", "probing"}
+    assert m["shared_compute"] == server_shares_cores()
     assert all(isinstance(p["joining"], float) for p in m["pools"].values())  # rows seen joining while decoding
     classes = {(c["temperature_bucket"], c["domain"]): c for c in m["classes"]}
     assert ("greedy", "default") in classes and ("greedy", "regime-map") in classes
