@@ -6,9 +6,9 @@ it there never changes (measured: one collapsed request sent every later auto re
 class to the plain pool for good, while explicit speculation was 1.14x faster). A probe is one
 request of the class run speculatively with a fixed K, every draft token judged; at most
 ``share`` of the class's plain-routed requests are probes, and no two within ``min_interval_s``.
-Which requests may probe, and at what K, is the routing policy's (``routing.probe_route``: only
+Which requests may probe, and at what K, is the routing policy's (``probes.probe_route``: only
 where speculation would pay were acceptance high). The same schedule, keyed by pool and batch
-bucket, runs the router's cost probes (``routing.scheduled_probe``). A pure policy: the clock comes in as ``now``.
+bucket, runs the router's cost probes (``probes.scheduled_probe``). A pure policy: the clock comes in as ``now``.
 """
 
 from __future__ import annotations

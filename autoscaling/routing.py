@@ -27,8 +27,9 @@ Rules, in order:
    either alone), in a speculative pool while speculation there is within
    ``split_margin`` of plain.
 
-A class that rule 3 keeps sending plain for its acceptance gets a few probe requests on speculation
-(``probe_route``, scheduled by ``autoscaling/exploration.py``) so that its estimate can recover; and
+Probes (``autoscaling/probes.py``, scheduled by ``autoscaling/exploration.py``): a class that rule 3
+keeps sending plain for its acceptance gets a few probe requests on speculation (``probe_route``) so
+that its estimate can recover; and
 while the served cost of plain steps at a batch is unmeasured, a share of the auto requests rule 3
 sends to speculation run plain instead (``cost_probe_route``), so that the served costs of both
 sides are learnt and a calibration that flatters speculation is found out; and while the other
@@ -44,10 +45,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from autoscaling.exploration import Exploration
 from specdec_core.acceptance import TrafficClass
 from specdec_core.costmodel import CostModel, KChoice
 from specdec_core.step_planner import budgeted_choice
@@ -79,10 +79,6 @@ REGIMES = (
 )
 
 
-# Plain decisions that a higher acceptance could turn: a class routed plain for one of these may probe.
-ACCEPTANCE_REGIMES = ("domain_mismatch", "high_entropy", "expensive_draft", "no_gain")
-PROBE_ACCEPTANCE = 0.9  # a probe runs only where speculation would pay at this acceptance
-PROBE_K = 2  # a probe's fixed K: every step judges draft tokens, and a wrong draft costs little
 
 
 class RoutingError(ValueError):
@@ -265,7 +261,7 @@ def _best(ctx: RoutingContext, topology: str, batch: int, a: float, model: CostM
     return price(model or ctx.cost_models[topology], topology, batch, a, ctx.k_max, topology in ctx.budgeted)
 
 
-def _spec_options(ctx: RoutingContext) -> list[_Option]:
+def spec_options(ctx: RoutingContext) -> list[_Option]:
     """Best K per available spec topology, at the batch the request can expect to decode in there."""
     options = []
     for t in SPEC_TOPOLOGIES:
@@ -333,7 +329,7 @@ def _explicit_spec(ctx: RoutingContext, options: list[_Option]) -> RoutingDecisi
 def route(ctx: RoutingContext) -> RoutingDecision:
     _validate(ctx)
     f, th = ctx.features, ctx.thresholds
-    options = _spec_options(ctx)
+    options = spec_options(ctx)
     if f.mode == "speculative" or f.k or f.topology:
         return _explicit_spec(ctx, options)
     best = max(options, key=lambda o: o.choice.predicted_speedup, default=None)
@@ -403,85 +399,3 @@ def _stay(ctx: RoutingContext, home: str | None, options: list[_Option]) -> _Opt
     if choice.predicted_speedup <= 1.0 + ctx.thresholds.margin - ctx.thresholds.split_margin:
         return None
     return replace(opt, choice=choice)
-
-
-def probe_route(ctx: RoutingContext, plain: RoutingDecision) -> RoutingDecision | None:
-    """An exploration probe for an auto request that ``route`` sent plain for its acceptance: the
-    spec pool with room where speculation would pay at ``PROBE_ACCEPTANCE``, with K = ``PROBE_K``;
-    None where even a good draft would not pay (a large batch, a prefill-heavy request)."""
-    f = ctx.features
-    if plain.pool != PLAIN_POOL or plain.regime not in ACCEPTANCE_REGIMES or f.mode != "auto" or f.k is not None \
-            or f.objective != "latency":
-        return None
-    hopeful = [o for o in _spec_options(replace(ctx, acceptance=PROBE_ACCEPTANCE))
-               if o.choice.predicted_speedup > 1.0 + ctx.thresholds.margin and ctx.loads[o.topology].has_room()]
-    if not hopeful:
-        return None
-    opt = max(hopeful, key=lambda o: o.choice.predicted_speedup)
-    cm = ctx.cost_models[opt.topology]
-    speedup = cm.plain_time_per_token(opt.batch) / cm.spec_time_per_token(opt.batch, PROBE_K, ctx.acceptance,
-                                                                          opt.topology)
-    return RoutingDecision(opt.topology, opt.topology, PROBE_K, plain.regime, speedup,
-                           f"exploration probe, K={PROBE_K}: the class goes plain for its acceptance "
-                           f"(a={ctx.acceptance:.2f} on {ctx.evidence:.0f} judged tokens)")
-
-
-def cost_probe_route(ctx: RoutingContext, spec: RoutingDecision) -> RoutingDecision | None:
-    """A plain run of an auto request that ``route`` sent to speculation, while the served cost of
-    plain steps at its batch is unmeasured (the caller knows; it schedules these probes): without
-    it the router would compare measured speculative steps against a calibrated plain step."""
-    f = ctx.features
-    if spec.pool == PLAIN_POOL or f.mode != "auto" or f.k is not None or f.topology is not None \
-            or PLAIN_POOL not in ctx.loads:
-        return None
-    return RoutingDecision(PLAIN_POOL, None, 0, spec.regime, 1.0,
-                           f"cost probe: served plain steps at batch {ctx.loads[PLAIN_POOL].joined_batch()} "
-                           "not measured yet")
-
-
-def topology_probe_route(ctx: RoutingContext, spec: RoutingDecision) -> RoutingDecision | None:
-    """An auto request that ``route`` sent to one speculative topology, run on the other instead,
-    where that one would pay too (predicted speedup above the margin, room for it): the caller
-    schedules these while the other's served rounds at its batch are unmeasured. The calibration
-    times both topologies' forwards in one process; their served costs differ by more than the two
-    predictions do (hops, overlap on the other core), so only served rounds can rank them."""
-    f = ctx.features
-    if spec.pool not in SPEC_TOPOLOGIES or f.mode != "auto" or f.k is not None or f.topology is not None:
-        return None
-    other = [o for o in _spec_options(ctx) if o.topology != spec.pool and o.choice.k > 0
-             and o.choice.predicted_speedup > 1.0 + ctx.thresholds.margin and ctx.loads[o.topology].has_room()]
-    if not other:
-        return None
-    opt = other[0]
-    return RoutingDecision(opt.topology, opt.topology, opt.choice.k, spec.regime, opt.choice.predicted_speedup,
-                           f"cost probe: served {opt.topology} rounds at batch {opt.batch} not measured yet "
-                           f"(K={opt.choice.k}, a={ctx.acceptance:.2f})")
-
-
-def scheduled_probe(ctx: RoutingContext, decision: RoutingDecision, acceptance_probes: Exploration,
-                    cost_probes: Exploration, measured: Callable[[int, str], tuple[Hashable, bool]], now: float
-                    ) -> RoutingDecision | None:
-    """The probe to run instead of ``decision``, if one is due at ``now``: an acceptance probe for a
-    class that goes plain for its acceptance (``probe_route``, on the class's schedule), else a cost
-    probe while the served steps of the side ``decision`` does not take are unmeasured at the
-    request's batch, on the schedule of its batch bucket: plain decoding (``cost_probe_route``), the
-    other speculative topology (``topology_probe_route``), or the acceptance probe's speculation
-    (a calibration that undersells served speculation keeps a class plain, and only served
-    speculative steps can say so). ``measured(batch, kind)`` gives that bucket and whether served
-    steps of ``kind`` ("plain", "colocated", "separate") are measured there; on shared cores a cost probe
-    runs only where no other pool's rows would decode beside it (beside them its steps teach no drift,
-    ``RouteState._ran_alone``, and the probes would go on forever). None: run ``decision``."""
-    spec = probe_route(ctx, decision)
-    if spec is not None and acceptance_probes.probe_due(ctx.features.traffic_class, now):
-        return spec
-    for probe in (cost_probe_route(ctx, decision), topology_probe_route(ctx, decision), spec):
-        if probe is None or ctx.shared_compute and ctx.loads[probe.pool].beside:
-            continue  # on shared cores a step beside another pool's rows measures no served cost of its own
-        bucket, seen = measured(ctx.loads[probe.pool].joined_batch(), probe.pool)
-        if not seen:
-            if not cost_probes.probe_due((probe.pool, bucket), now):
-                return None
-            return probe if probe is not spec else replace(
-                spec, reason=f"cost probe: served {spec.pool} steps at batch "
-                             f"{ctx.loads[spec.pool].joined_batch()} not measured yet (K={spec.k})")
-    return None

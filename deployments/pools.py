@@ -148,7 +148,7 @@ class Pools:
         row_seconds, now = self._row_clock()
         return (row_seconds - since[0]) / (now - since[1]) if now > since[1] else 0.0
 
-    def _count(self, pool: str, n: int, probe: bool = False) -> None:
+    def _count(self, pool: str, n: int, probe: bool) -> None:
         self._row_seconds, self._rows_at = self._row_clock()
         self.active[pool] += n
         self.probing[pool] += n if probe else 0

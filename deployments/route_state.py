@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from autoscaling.exploration import Exploration
+from autoscaling.probes import scheduled_probe
 from autoscaling.routing import (
     PLAIN_POOL,
     POOLS,
@@ -33,7 +34,6 @@ from autoscaling.routing import (
     break_even_batch,
     price,
     route,
-    scheduled_probe,
 )
 from autoscaling.traffic_classes import DomainTable
 from deployments.config import AppConfig, model_label

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from autoscaling.exploration import Exploration
-from autoscaling.routing import PROBE_K, PoolLoad
+from autoscaling.probes import PROBE_K
+from autoscaling.routing import PoolLoad
 from autoscaling.traffic_classes import DomainTable
 from deployments.route_state import RouteState
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
