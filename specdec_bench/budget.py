@@ -7,8 +7,10 @@ last request is admitted: the batch full throughout; ``Run``). The budgeted mode
 verifies the rows at their own widths (the runner's packed forward). It is measured beside plain,
 fixed K = 1, 2, 4, 8 and auto (adaptive K per request, ``adaptive.py``) over a batch sweep of one
 traffic, and on mixed batches whose rows differ in acceptance (half repetitive prompts, half free
-prose at T=1; over the n-gram proposer and over the distilled draft), where one K for all rows cannot
-do what a K per row does. Modes are interleaved rep by rep; a cell's tokens/s is the median over reps.
+prose at T=1, over the n-gram proposer and over the distilled draft; half code at T=1, over the n-gram
+proposer), where one K for all rows cannot do what a K per row does; for those it reports where each
+mode's draft tokens went (``acceptance_by_rows``). Modes are interleaved rep by rep; a cell's tokens/s
+is the median over reps.
 
 Predicted, per mode: the steps each run took in its window (each decode step's rows and their K),
 priced with the engine's calibration as ragged steps (``CostModel.ragged_step_time``), prefills as
@@ -63,6 +65,7 @@ class BudgetResult:
     mean_k: dict = field(default_factory=dict)  # mode -> draft tokens per row-step
     tokens_per_verify_token: dict = field(default_factory=dict)  # mode -> (emitted - rows) / draft tokens
     acceptance: dict = field(default_factory=dict)  # mode -> accepted / proposed
+    acceptance_by_rows: dict = field(default_factory=dict)  # mode -> prompt set -> (proposed, accepted / proposed)
     runs: int = 0
 
 
@@ -71,6 +74,10 @@ def build_cells(batches: tuple[int, ...]) -> list[BudgetCell]:
     cells = [BudgetCell(f"prose b{b}", "draft", b, prose) for b in batches]
     mixed = (("repetitive", 0.0), ("prose", 1.0))
     cells += [BudgetCell(f"mixed b{b}", "ngram", b, mixed) for b in batches if 2 <= b <= 16]
+    # Code at T=1 beside the repetitive rows: the n-gram proposer finds matches in code and proposes there, so a
+    # fixed K verifies tokens that T=1 sampling rejects (prose gives it fewer matches).
+    cells += [BudgetCell(f"mixed-code b{b}", "ngram", b, (("repetitive", 0.0), ("code", 1.0)))
+              for b in batches if 4 <= b <= 8]
     # The same rows over the distilled draft: it proposes on every row (the n-gram proposer proposes nothing
     # where it finds no match, so its fixed K already limits itself), so a fixed K pays its draft and verify
     # tokens on the T=1 prose rows too.
@@ -193,6 +200,7 @@ def run_cell(engines: Engines, cell: BudgetCell, reps: int, models_dir) -> Budge
     steps = {m: [s for r in runs[m] for s in r.steps if s.batch] for m in MODES}
     planned = [s.planned_speedup for s in steps["budget"] if s.planned_speedup]
     stats = {m: [o.stats for r in runs[m] for o in r.outputs] for m in MODES}
+    row_sets = [cell.rows[i % len(cell.rows)][0] for r in runs["plain"] for i in range(len(r.outputs))]
     return BudgetResult(
         cell=cell.name, proposer=cell.proposer, batch=cell.batch, rows=[list(r) for r in cell.rows],
         tok_s=tok_s, speedup=speedup, predicted=predicted, budget_vs_best=statistics.median(per_rep),
@@ -202,8 +210,20 @@ def run_cell(engines: Engines, cell: BudgetCell, reps: int, models_dir) -> Budge
             m: (sum(s.emitted - s.batch for s in steps[m]) / sum(s.draft_tokens for s in steps[m])
                 if sum(s.draft_tokens for s in steps[m]) else 0.0) for m in MODES},
         acceptance={m: sum(s.accepted for s in stats[m]) / max(1, sum(s.proposed for s in stats[m])) for m in MODES},
+        acceptance_by_rows={m: _acceptance_by_rows(stats[m], row_sets) for m in MODES},
         runs=reps,
     )
+
+
+def _acceptance_by_rows(stats: list, row_sets: list[str]) -> dict:
+    """Prompt set -> (draft tokens proposed, share accepted) over requests whose rows are of that set: where
+    a mode spent its verify tokens, and what they bought."""
+    out = {}
+    for name in dict.fromkeys(row_sets):
+        mine = [s for s, r in zip(stats, row_sets) if r == name]
+        proposed = sum(s.proposed for s in mine)
+        out[name] = (proposed, sum(s.accepted for s in mine) / proposed if proposed else 0.0)
+    return out
 
 
 def run_budget(args) -> dict:
@@ -245,6 +265,14 @@ def budget_markdown(data: dict) -> str:
             + f" | {c['budget_vs_best']:.2f} | {c['predicted']['budget']:.2f} / {c['speedup']['budget']:.2f}"
             + f" | {c['mean_k']['budget']:.2f} | {c['tokens_per_verify_token']['budget']:.2f} |"
         )
+    mixed = [c for c in data["cells"] if len(c.get("acceptance_by_rows", {}).get("budget", {})) > 1]
+    if mixed:
+        lines += ["", "Where the verify tokens went on mixed batches: draft tokens proposed (share accepted) per "
+                  "row set, the budget against the best fixed K.", ""]
+        for c in mixed:
+            lines.append(f"- {c['cell']}: " + "; ".join(
+                f"{m} " + ", ".join(f"{name} {n} ({rate:.2f})" for name, (n, rate) in by_rows.items())
+                for m, by_rows in ((m, c["acceptance_by_rows"][m]) for m in ("budget", c["best_fixed"]))))
     worst = max((abs(c["predicted"][m] / c["speedup"][m] - 1), c["cell"], m) for c in data["cells"] for m in MODES)
     lines += ["", f"Largest prediction error: {worst[0]:.0%} ({worst[2]} in {worst[1]})."]
     return "\n".join(lines) + "\n"

@@ -66,7 +66,15 @@ def test_budget_sweep_writes_every_mode_measured_and_predicted(family, tmp_path)
         assert all(v > 0 for v in cell["tok_s"].values())
         assert cell["speedup"]["plain"] == pytest.approx(1.0) == cell["predicted"]["plain"]
         assert cell["mean_k"]["plain"] == 0 and cell["mean_k"]["k4"] > 0
-    assert "| prose b2 |" in (tmp_path / "budget.md").read_text()
+    # Per row set: where each mode spent its draft tokens (plain none; every set of a mixed cell accounted for).
+    mixed = next(c for c in data["cells"] if c["cell"] == "mixed-draft b2")
+    assert set(mixed["acceptance_by_rows"]["k4"]) == {"repetitive", "prose"}
+    assert all(n == 0 for n, _ in mixed["acceptance_by_rows"]["plain"].values())
+    assert all(n > 0 and 0 <= rate <= 1 for n, rate in mixed["acceptance_by_rows"]["k4"].values())
+    by_rows = mixed["acceptance_by_rows"]["k4"].values()
+    assert sum(n * rate for n, rate in by_rows) / sum(n for n, _ in by_rows) == pytest.approx(mixed["acceptance"]["k4"])
+    text = (tmp_path / "budget.md").read_text()
+    assert "| prose b2 |" in text and "- mixed-draft b2: budget " in text
 
 
 def test_context_grid_writes_every_mode_measured_and_predicted(family, tmp_path):
