@@ -245,6 +245,39 @@ def position_rates(accepted_per_position: Sequence[int], judged_per_position: Se
     return [(acc + prior_weight * prior) / (judged + prior_weight) for (acc, judged), prior in zip(own, prior_rates)]
 
 
+@dataclass
+class ProposalCoverage:
+    """How much of what a request asked of its proposer came back. A draft model proposes every
+    token asked; a lookup (the n-gram proposer) proposes only what followed its match, or nothing. A
+    position that was asked but not proposed yields no token, however likely acceptance is where
+    tokens are proposed (``position_rates`` is conditional on the position being judged), so a plan
+    that counts on it expects tokens that never come."""
+
+    asked: list[int] = field(default_factory=list)  # [K] steps that asked for >= i + 1 tokens
+    offered: list[int] = field(default_factory=list)  # [K] of those, steps whose proposal had >= i + 1
+
+    def record(self, asked: int, offered: int) -> None:
+        """One proposal: ``asked`` tokens asked, ``offered`` proposed (<= asked)."""
+        while len(self.asked) < asked:
+            self.asked.append(0)
+            self.offered.append(0)
+        for pos in range(asked):
+            self.asked[pos] += 1
+            self.offered[pos] += pos < offered
+
+    def rates(self, k: int, prior_weight: float = 1.0) -> list[float]:
+        """[k] P(position i + 1 is proposed when asked), shrunk towards 1 (a proposer delivers what
+        it is asked until seen otherwise) as ``prior_weight`` asks; non-increasing (the share of
+        asks a proposal reaches cannot grow with depth)."""
+        out, cap = [], 1.0
+        for pos in range(k):
+            asked, offered = (self.asked[pos], self.offered[pos]) if pos < len(self.asked) else (0, 0)
+            if asked + prior_weight:  # never asked this deep (and no prior): no better than above
+                cap = min(cap, (offered + prior_weight) / (asked + prior_weight))
+            out.append(cap)
+        return out
+
+
 def _consistent(decisions: Sequence[bool], proposed: int, accepted: int) -> bool:
     """The first `accepted` decisions are accepts and the next (if any) a rejection."""
     if not accepted + (accepted < proposed) <= len(decisions) <= proposed:

@@ -69,7 +69,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from specdec_core.acceptance import AcceptanceTracker, TrafficClass, position_rates
+from specdec_core.acceptance import AcceptanceTracker, ProposalCoverage, TrafficClass, position_rates
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k, expected_tokens_per_step
 from specdec_core.drift import StepDrift
@@ -361,7 +361,8 @@ class AdaptiveK:
 
     def plan_budget(self, classes: list[TrafficClass], evidence: list[tuple[list[int], list[int], float | None]],
                     k_maxes: list[int], fixed: list[int | None], context_len: int, plain_runs: list[int],
-                    catch_up: list[int], remaining: list[int]) -> StepBudget:
+                    catch_up: list[int], remaining: list[int],
+                    coverages: list[ProposalCoverage] | None = None) -> StepBudget:
         """A step's K per row under the step's cost (``step_planner.plan_step``). Per row: its class,
         its (accepted per position, judged per position, class estimate or None) evidence, its K cap,
         a K it keeps (None: planned), its steps since it last proposed. A row plain for
@@ -371,25 +372,33 @@ class AdaptiveK:
         any sampled row is priced on the sampling path. ``catch_up``: per row, the tokens the draft
         has not seen; beyond the one a speculative step feeds anyway, their prefill is charged to the
         row's first draft position, spread over its ``remaining`` tokens at its expected tokens per
-        step (a new request pays for its prompt once, over the steps it speculates)."""
+        step (a new request pays for its prompt once, over the steps it speculates). ``coverages``: per
+        row, how much of what it asked its proposer for came back (a lookup proposes only what followed
+        its match): a position yields its survival, and costs its verify token, only as often as it is
+        proposed (a probe asks as if it always were: it is there to find out)."""
         priors: dict[tuple, list[float]] = {}  # a step's rows share a few classes: their rates once per plan
-        survivals = []
-        for cls, (acc, judged, estimate), k, f, run in zip(classes, evidence, k_maxes, fixed, plain_runs):
+        survivals, coverage = [], []
+        coverages = coverages or [None] * len(classes)
+        for cls, (acc, judged, estimate), k, f, run, cover in zip(classes, evidence, k_maxes, fixed, plain_runs,
+                                                                   coverages):
+            probe = run >= self.probe_every or self._unexplored(cls, judged, estimate)
             if f is not None or k < 1:
                 survivals.append(())
-            elif run >= self.probe_every or self._unexplored(cls, judged, estimate):
+            elif probe:
                 survivals.append((PROBE_CEILING,))
             else:
                 key = (cls, estimate, k)
                 if key not in priors:
                     priors[key] = self.class_rates(cls, estimate, k)
                 survivals.append(survival(position_rates(acc, judged, priors[key], self.tracker.prior_weight)))
+            depth = len(survivals[-1])
+            coverage.append([1.0] * depth if cover is None or probe else cover.rates(depth))
         cls = next((c for c in classes if c.temperature_bucket != "greedy"), classes[0])
         model = self.cost_model_for(cls, context_len)
         per_token = model.costs.draft_prefill_s_per_token
-        start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(s)) / max(1, left))
-                   for n, left, s in zip(catch_up, remaining, survivals)]
-        return plan_step(model, survivals, fixed, self.topology, start_s=start_s)
+        start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(x * y for x, y in zip(s, c))) / max(1, left))
+                   for n, left, s, c in zip(catch_up, remaining, survivals, coverage)]
+        return plan_step(model, survivals, fixed, self.topology, start_s=start_s, coverage=coverage)
 
     def _unexplored(self, cls: TrafficClass, judged: list[int], class_estimate: float | None) -> bool:
         """A row that knows nothing of its acceptance (no judged token, a class with less evidence

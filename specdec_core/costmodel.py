@@ -167,10 +167,15 @@ class StepCosts:
     def ragged_target_time(self, batch: float, extra_tokens: float) -> float:
         """A verify of ``batch`` rows and ``extra_tokens`` tokens beyond one per row, at any spread
         over the rows: the grid at the mean width, except below one extra token per row, where the
-        measured first step of the staircase (``one_extra_s``) starts the line to two tokens a row."""
+        measured first step of the staircase (``one_extra_s``) starts the line to two tokens a row. Less
+        than one token (an expected count: a proposer that delivers some of what it is asked) is that
+        share of the step."""
         if not self.one_extra_s or extra_tokens <= 0 or extra_tokens >= batch:
             return self.target_time(batch, 1.0 + extra_tokens / batch)
         first = _interp(self.batches, self.one_extra_s, batch)
+        if extra_tokens < 1:
+            plain = self.target_time(batch, 1.0)
+            return plain + (first - plain) * extra_tokens
         full = self.target_time(batch, 2)
         return first + (full - first) * (extra_tokens - 1) / max(1.0, batch - 1)
 

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec_core.acceptance import TrafficClass
+from specdec_core.acceptance import ProposalCoverage, TrafficClass
 from specdec_core.adaptive import AdaptiveK, KState, Regret
 from specdec_core.proposers import Proposal
 from specdec_core.request import RequestOutput, RequestState
@@ -53,6 +53,7 @@ class ScheduledRequest(RequestState):
         self.regret = Regret()  # adaptive K's guard: what its speculative steps cost against plain ones
         self.carried: Proposal | None = None  # an overlapped proposal: what this request's next verify judges
         self.plain_run = 0  # consecutive decode steps without a proposal (a budgeted row's probe clock)
+        self.coverage = ProposalCoverage()  # how much of the K it asked its proposer for came back
         self.error: BaseException | None = None  # why its step failed, for the caller to raise
 
     @property
@@ -195,6 +196,7 @@ class Scheduler:
             [r.budget_k(r.params.num_speculative_tokens, self.max_model_len) for r in rows],
             fixed, max(len(r.tokens) for r in rows), [r.plain_run for r in rows],
             [r.draft_catch_up for r in rows], [r.params.max_new_tokens - len(r.output_ids) for r in rows],
+            [r.coverage for r in rows],
         )
         return list(self.budget.ks)
 
@@ -275,6 +277,8 @@ class Scheduler:
         catch_up = max(r.draft_catch_up for r in rows)
         before = [len(r.output_ids) for r in rows]
         for i, (req, res, prop) in enumerate(zip(rows, verified, result.proposals)):
+            if plan.ks[i] and i not in result.draft_failed:
+                req.coverage.record(plan.ks[i], min(plan.ks[i], len(prop.token_ids)))
             self._verified(req, res, prop, result.ahead.get(i))
             req.plain_run = 0 if prop.token_ids else req.plain_run + 1
         step_s = timing.propose_s + timing.verify_s

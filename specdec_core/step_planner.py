@@ -4,8 +4,10 @@ Vocabulary (Leviathan et al. 2023, Algorithm 1): q is the draft's distribution, 
 verify keeps the *accepted* draft tokens and adds one *recovered* or *bonus* token. A row's draft
 position j survives when positions 1..j are all accepted; ``survival[j - 1]`` is that probability,
 the product of the row's per-position acceptance rates (``acceptance.position_rates``: acceptance
-falls with depth, so one i.i.d. rate misprices deep drafts). A row proposing K tokens emits
-1 + survival[0] + ... + survival[K - 1] tokens on average.
+falls with depth, so one i.i.d. rate misprices deep drafts), and, for a proposer that may return
+fewer tokens than asked (a lookup), the share of the row's asks that reached position j
+(``acceptance.ProposalCoverage``). A row asked for K tokens emits 1 + survival[0] + ... +
+survival[K - 1] tokens on average.
 
 The step's cost is that of one ragged verify (``runner.py``: each row verifies its own K + 1 tokens,
 no padding to the widest) plus the draft's forwards (its j-th forward runs over the rows with K >= j)
@@ -61,19 +63,24 @@ def survival(rates: Sequence[float]) -> tuple[float, ...]:
 
 def plan_step(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Sequence[int | None],
               topology: str = "colocated", margin: float = BUDGET_MARGIN,
-              start_s: Sequence[float] | None = None) -> StepBudget:
+              start_s: Sequence[float] | None = None,
+              coverage: Sequence[Sequence[float]] | None = None) -> StepBudget:
     """Each row's K: ``survivals[i]`` is row i's survival by position (its length caps its K; empty:
     plain), ``fixed[i]`` a K the row keeps whatever the plan (None: the planner chooses),
     ``start_s[i]`` what row i's first draft position costs beyond a draft forward (its share of the
-    draft's catch-up on what it has not seen). Admission by survival alone would take a row that must
-    catch up as readily as one that need not, so where some rows must, the plan without them is
-    tried too and the faster kept."""
+    draft's catch-up on what it has not seen), ``coverage[i]`` how often row i's proposer delivers
+    each position it is asked for (None: always, as a draft model does): a position yields its
+    survival that often and costs its verify token that often. Admission by survival alone would take
+    a row that must catch up as readily as one that need not, so where some rows must, the plan
+    without them is tried too and the faster kept."""
     batch = len(survivals)
     start_s = list(start_s) if start_s else [0.0] * batch
-    ks, rate, step_s = _admit(model, survivals, fixed, topology, start_s)
+    coverage = [list(c) for c in coverage] if coverage else [[1.0] * len(s) for s in survivals]
+    survivals = [tuple(x * c for x, c in zip(s, cover)) for s, cover in zip(survivals, coverage)]
+    ks, rate, step_s = _admit(model, survivals, fixed, topology, start_s, coverage)
     if any(start_s):
         in_sync = [0 if t and f is None else f for t, f in zip(start_s, fixed)]
-        alternative = _admit(model, survivals, in_sync, topology, start_s)
+        alternative = _admit(model, survivals, in_sync, topology, start_s, coverage)
         if alternative[1] > rate:
             ks, rate, step_s = alternative
     plain_step = model.plain_time_per_token(batch)
@@ -96,7 +103,7 @@ def budgeted_choice(model: CostModel, batch: int, rates: Sequence[float], topolo
 
 
 def _admit(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Sequence[int | None], topology: str,
-           start_s: Sequence[float]) -> tuple[list[int], float, float]:
+           start_s: Sequence[float], coverage: Sequence[Sequence[float]]) -> tuple[list[int], float, float]:
     """Draft positions admitted best survival first; (K per row, tokens per second, step seconds) of
     the fastest prefix of admissions."""
     batch = len(survivals)
@@ -117,7 +124,7 @@ def _admit(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Sequen
         ks[i] += 1
         expected -= gain
         left += gain
-        pricer.admit(ks[i], start_s[i] if ks[i] == 1 else 0.0)
+        pricer.admit(ks[i], start_s[i] if ks[i] == 1 else 0.0, coverage[i][ks[i] - 1])
         if ks[i] < len(survivals[i]):
             heapq.heappush(heap, (-survivals[i][ks[i]], i))
         rate = expected / pricer.step_s()
@@ -136,10 +143,11 @@ class _RaggedPricer:
         self.rows_at = [sum(1 for k in ks if k > j) for j in range(depth)]  # [depth] rows drafting at position j + 1
         self.draft_s = sum(model.costs.draft_time(n) for n in self.rows_at) + start_s
 
-    def admit(self, position: int, start_s: float = 0.0) -> None:
+    def admit(self, position: int, start_s: float = 0.0, verify_tokens: float = 1.0) -> None:
         """One more draft position (1-based ``position`` of its row, ``start_s`` its row's start cost
-        when it is the first) enters the step."""
-        self.extra += 1
+        when it is the first, ``verify_tokens`` the tokens it is expected to add to the verify: its
+        proposer's coverage there) enters the step."""
+        self.extra += verify_tokens
         self.draft_s += start_s
         if position > len(self.rows_at):
             self.rows_at.append(0)

@@ -147,3 +147,20 @@ def test_time_decay_returns_a_silent_class_to_the_prior():
     assert without.estimate(cls) == pytest.approx(low)  # no clock: counts decay by tokens only
     with pytest.raises(ValueError):
         AcceptanceTracker(half_life_s=60.0)
+
+
+def test_proposal_coverage_counts_what_came_back_of_what_was_asked():
+    from specdec_core.acceptance import ProposalCoverage
+
+    cover = ProposalCoverage()
+    assert cover.rates(3) == [1.0, 1.0, 1.0]  # nothing seen: a proposer delivers what it is asked
+    for _ in range(4):
+        cover.record(4, 2)  # a lookup that matched two tokens
+    cover.record(2, 0)  # and one that found no match
+    assert cover.asked == [5, 5, 4, 4] and cover.offered == [4, 4, 0, 0]
+    assert cover.rates(4, prior_weight=1.0) == pytest.approx([5 / 6, 5 / 6, 1 / 5, 1 / 5])
+    assert cover.rates(6, prior_weight=0.0)[4:] == [0.0, 0.0]  # never asked that deep: no better than above
+    cover = ProposalCoverage()
+    cover.record(1, 0)
+    cover.record(3, 3)
+    assert cover.rates(3, prior_weight=0.0) == [0.5, 0.5, 0.5]  # 1.0 asked deeper, capped: never grows with depth

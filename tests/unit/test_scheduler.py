@@ -164,6 +164,32 @@ def test_a_failed_draft_decodes_plain_until_its_retry_time():
     assert a.output_ids == reference(1, 40)
 
 
+class LookupExecutor(FakeExecutor):
+    """A lookup-like proposer: at most ``longest`` tokens, however many were asked."""
+
+    def __init__(self, longest: int):
+        super().__init__()
+        self.longest = longest
+
+    def propose(self, history: list[int], k: int) -> Proposal:
+        return super().propose(history, min(k, self.longest))
+
+
+def test_what_a_proposer_delivers_of_what_was_asked_is_counted_per_row():
+    """The budget's planner discounts positions a row's proposer does not deliver (``ProposalCoverage``):
+    each row counts the K it asked for and the tokens that came back; a failed draft is no answer."""
+    sched, ex = Scheduler(4, 256, speculative=True), LookupExecutor(longest=2)
+    sched.add(request("a", n=40, k=4))
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    a = plan.prefill[0]
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    assert plan.ks == (4,) and a.coverage.asked == [1, 1, 1, 1] and a.coverage.offered == [1, 1, 0, 0]
+    ex.fail_draft.add("a")
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    assert a.draft_failed and a.coverage.asked == [1, 1, 1, 1]
+    assert run(sched, FakeExecutor()) and a.output_ids == reference(1, 40)
+
+
 def test_a_row_that_fails_fails_alone():
     sched, ex = Scheduler(4, 256, speculative=True), FakeExecutor()
     sched.add(request("a"))
