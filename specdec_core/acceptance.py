@@ -25,6 +25,11 @@ class, so a traffic shift is noticed within a few half-lives; `evidence` is the
 decayed judged count. Per-position counts (same decay) show whether acceptance
 falls with depth, which caps useful K.
 
+Proposal coverage. Acceptance is counted over positions that were proposed and judged. A
+lookup proposer (n-gram) may return fewer tokens than asked, or none; `ProposalCoverage`
+counts, per request and position, how often an ask came back, which the budgeted planner
+multiplies into a position's expected yield (a draft model always delivers: 1).
+
 Not thread-safe: one owner (the router or an engine loop) updates it.
 """
 

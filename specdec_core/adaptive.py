@@ -381,7 +381,7 @@ class AdaptiveK:
         coverages = coverages or [None] * len(classes)
         for cls, (acc, judged, estimate), k, f, run, cover in zip(classes, evidence, k_maxes, fixed, plain_runs,
                                                                    coverages):
-            probe = run >= self.probe_every or self._unexplored(cls, judged, estimate)
+            probe = f is None and k >= 1 and (run >= self.probe_every or self._unexplored(cls, judged, estimate))
             if f is not None or k < 1:
                 survivals.append(())
             elif probe:

@@ -170,12 +170,12 @@ class StepCosts:
         measured first step of the staircase (``one_extra_s``) starts the line to two tokens a row. Less
         than one token (an expected count: a proposer that delivers some of what it is asked) is that
         share of the step."""
+        if 0 < extra_tokens < 1:
+            plain = self.target_time(batch, 1.0)
+            return plain + (self.ragged_target_time(batch, 1.0) - plain) * extra_tokens
         if not self.one_extra_s or extra_tokens <= 0 or extra_tokens >= batch:
             return self.target_time(batch, 1.0 + extra_tokens / batch)
         first = _interp(self.batches, self.one_extra_s, batch)
-        if extra_tokens < 1:
-            plain = self.target_time(batch, 1.0)
-            return plain + (first - plain) * extra_tokens
         full = self.target_time(batch, 2)
         return first + (full - first) * (extra_tokens - 1) / max(1.0, batch - 1)
 
@@ -288,15 +288,19 @@ class CostModel:
         draft_s = sum(self.costs.draft_time(n) for n in rows_at)
         return self.priced_ragged_step(batch, sum(ks), draft_s, rows_at[0] if rows_at else 0, topology, calibrated)
 
-    def priced_ragged_step(self, batch: int, extra_tokens: int, draft_s: float, draft_rows: int,
+    def priced_ragged_step(self, batch: int, extra_tokens: float, draft_s: float, draft_rows: int,
                            topology: str = "colocated", calibrated: bool = False) -> float:
-        """``ragged_step_time`` from its parts: ``extra_tokens`` verify tokens beyond one per row, the
-        draft's forwards (``draft_s``), ``draft_rows`` rows drafting. The verify is priced by its
-        tokens (``StepCosts.ragged_target_time``): its projections cost by tokens, not by the widest row."""
-        key = ("ragged", batch, extra_tokens)  # a plan prices every width of its batch, step after step
-        verify = self._parts_cache.get(key)
-        if verify is None:
-            verify = self._parts_cache[key] = self.costs.ragged_target_time(batch, extra_tokens)
+        """``ragged_step_time`` from its parts: ``extra_tokens`` verify tokens beyond one per row (an
+        expected count where a lookup proposes some of what it is asked), the draft's forwards
+        (``draft_s``), ``draft_rows`` rows drafting. The verify is priced by its tokens
+        (``StepCosts.ragged_target_time``): its projections cost by tokens, not by the widest row."""
+        if float(extra_tokens).is_integer():  # a plan prices every width of its batch, step after step
+            key = ("ragged", batch, int(extra_tokens))
+            verify = self._parts_cache.get(key)
+            if verify is None:
+                verify = self._parts_cache[key] = self.costs.ragged_target_time(batch, extra_tokens)
+        else:  # expected counts differ step to step: cached, they would only grow the cache
+            verify = self.costs.ragged_target_time(batch, extra_tokens)
         t = verify
         if extra_tokens:
             t += draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)

@@ -277,7 +277,9 @@ class Scheduler:
         catch_up = max(r.draft_catch_up for r in rows)
         before = [len(r.output_ids) for r in rows]
         for i, (req, res, prop) in enumerate(zip(rows, verified, result.proposals)):
-            if plan.ks[i] and i not in result.draft_failed:
+            if self.budget is not None and plan.ks[i] and req.carried is None and i not in result.draft_failed:
+                # What only a budgeted plan reads: what its proposer delivered of a fresh ask (a carried
+                # proposal was asked for at the length it has; a failed draft is no answer).
                 req.coverage.record(plan.ks[i], min(plan.ks[i], len(prop.token_ids)))
             self._verified(req, res, prop, result.ahead.get(i))
             req.plain_run = 0 if prop.token_ids else req.plain_run + 1

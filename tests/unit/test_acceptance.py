@@ -5,7 +5,13 @@ import random
 
 import pytest
 
-from specdec_core.acceptance import AcceptanceTracker, TrafficClass, judged_positions, temperature_bucket
+from specdec_core.acceptance import (
+    AcceptanceTracker,
+    ProposalCoverage,
+    TrafficClass,
+    judged_positions,
+    temperature_bucket,
+)
 
 CLS = TrafficClass.of("draft-1l", 0.0, "code")
 
@@ -150,8 +156,6 @@ def test_time_decay_returns_a_silent_class_to_the_prior():
 
 
 def test_proposal_coverage_counts_what_came_back_of_what_was_asked():
-    from specdec_core.acceptance import ProposalCoverage
-
     cover = ProposalCoverage()
     assert cover.rates(3) == [1.0, 1.0, 1.0]  # nothing seen: a proposer delivers what it is asked
     for _ in range(4):

@@ -177,17 +177,31 @@ class LookupExecutor(FakeExecutor):
 
 def test_what_a_proposer_delivers_of_what_was_asked_is_counted_per_row():
     """The budget's planner discounts positions a row's proposer does not deliver (``ProposalCoverage``):
-    each row counts the K it asked for and the tokens that came back; a failed draft is no answer."""
-    sched, ex = Scheduler(4, 256, speculative=True), LookupExecutor(longest=2)
-    sched.add(request("a", n=40, k=4))
+    under a budgeted plan each row counts the K it was asked for and the tokens that came back; a failed
+    draft is no answer. Without a budget nothing reads it, and nothing is counted."""
+    cheap = StepCosts((1, 8), (1, 5), ((1.0, 1.01), (1.0, 1.01)), (0.001, 0.001), source="test")
+    adaptive = AdaptiveK(CostView(cheap), AcceptanceTracker(prior_mean=0.95), "d", "colocated", budgeted=True)
+    for _ in range(50):  # the class accepts everything: the plan asks deep
+        adaptive.observe(adaptive.traffic_class(0.0, SamplingParams().domain), 4, 4)
+    sched, ex = Scheduler(4, 256, speculative=True, adaptive=adaptive), LookupExecutor(longest=2)
+    sched.add(request("a", n=40, k=4, adaptive_k=True))
     sched.commit(plan := sched.schedule(8), ex.execute(plan))
     a = plan.prefill[0]
+    sched.commit(plan := sched.schedule(8), ex.execute(plan))  # the drift's reference: a plain step
+    assert plan.ks == (0,) and a.coverage.asked == []
     sched.commit(plan := sched.schedule(8), ex.execute(plan))
-    assert plan.ks == (4,) and a.coverage.asked == [1, 1, 1, 1] and a.coverage.offered == [1, 1, 0, 0]
+    asked = plan.ks[0]
+    assert asked > 2 and a.coverage.asked == [1] * asked and a.coverage.offered == [1, 1] + [0] * (asked - 2)
     ex.fail_draft.add("a")
     sched.commit(plan := sched.schedule(8), ex.execute(plan))
-    assert a.draft_failed and a.coverage.asked == [1, 1, 1, 1]
+    assert a.draft_failed and a.coverage.asked == [1] * asked
     assert run(sched, FakeExecutor()) and a.output_ids == reference(1, 40)
+    sched_b = Scheduler(4, 256, speculative=True)
+    sched_b.add(request("b", n=8, k=4))
+    sched_b.commit(plan := sched_b.schedule(8), LookupExecutor(longest=2).execute(plan))
+    b = plan.prefill[0]
+    sched_b.commit(plan := sched_b.schedule(8), LookupExecutor(longest=2).execute(plan))
+    assert plan.ks == (4,) and b.coverage.asked == []
 
 
 def test_a_row_that_fails_fails_alone():

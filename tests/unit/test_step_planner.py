@@ -1,10 +1,11 @@
 """The budgeted step planner: each row's K for the batch as a whole, priced as one ragged verify."""
 
+import dataclasses
 import itertools
 
 import pytest
 
-from specdec_core.acceptance import position_rates
+from specdec_core.acceptance import ProposalCoverage, position_rates
 from specdec_core.costmodel import CostModel, StepCosts
 from specdec_core.step_planner import budgeted_choice, plan_step, survival
 
@@ -154,8 +155,6 @@ def test_a_row_whose_proposer_falls_short_is_planned_shallower():
     """Two rows with the same acceptance where proposed; one's lookup has come back empty for most of
     what it asked beyond its second token: the positions it does not propose yield nothing, so the plan
     asks it for less (and a proposer that delivers everything is planned as before)."""
-    from specdec_core.acceptance import ProposalCoverage
-
     policy, cls = _policy(prior_mean=0.6)
     for _ in range(40):
         policy.observe(cls, 4, 4)
@@ -167,15 +166,13 @@ def test_a_row_whose_proposer_falls_short_is_planned_shallower():
     args = ([cls] * 2, evidence, [8] * 2, [None] * 2, 64, [0] * 2, [1] * 2, [32] * 2)
     plan = policy.plan_budget(*args, coverages=[full, short])
     assert plan.ks[1] < plan.ks[0]
-    assert plan.ks[0] == policy.plan_budget(*args).ks[0]
+    assert policy.plan_budget(*args, coverages=[full, full]) == policy.plan_budget(*args)  # a draft model's plan
 
 
 def test_a_position_proposed_half_the_time_costs_half_its_verify_token():
     """An expected verify token below the staircase's first step is that share of the step, and the
     plan prices a lookup's positions at how often it delivers them: a row whose lookup proposes half
     of what it is asked costs less than a draft-model row at the same K."""
-    import dataclasses
-
     costs = dataclasses.replace(COSTS, one_extra_s=(0.0101, 0.0145, 0.0700), draft_s=(0.0, 0.0, 0.0))  # a lookup
     assert costs.ragged_target_time(8, 0.5) == pytest.approx((0.0140 + 0.0145) / 2)
     assert costs.ragged_target_time(8, 1.0) == pytest.approx(0.0145)
@@ -185,3 +182,5 @@ def test_a_position_proposed_half_the_time_costs_half_its_verify_token():
     half = plan_step(model, rows, fixed, margin=0.0, coverage=[[0.5] * 8] + [[]] * 7)
     assert full.ks[0] >= 1 and half.ks[0] >= 1
     assert half.step_s < model.ragged_step_time(8, list(half.ks))  # priced below the full verify of its K
+    assert half.expected_tokens == pytest.approx(8 + 0.5 * sum(HIGH[:half.ks[0]]))  # and yields half as often
+    assert full.expected_tokens == pytest.approx(8 + sum(HIGH[:full.ks[0]]))
