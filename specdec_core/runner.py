@@ -341,11 +341,15 @@ class ModelRunner:
     def _packed_logits(self, hidden: torch.Tensor, q: list[int], num_logits: list[int]) -> torch.Tensor:
         # hidden: [T, H], the rows' tokens back to back -> [B, max(num_logits), V], as ``_logits``
         n_max, ends = max(num_logits), list(itertools.accumulate(q))
-        pick = torch.tensor(
-            [[end - n + max(0, min(n - k + c, n - 1)) for c in range(n_max)] for end, n, k in zip(ends, q, num_logits)],
-            device=hidden.device,
-        )  # [B, N]: right-padded by repeating the last position
-        return self._head(hidden[pick])
+        rows = [[end - n + max(0, min(n - k + c, n - 1)) for c in range(n_max)]
+                for end, n, k in zip(ends, q, num_logits)]
+        # [B, N] positions, right-padded by repeating the last. The head runs once per position: a batch of
+        # one-token rows beside one K=8 row padded to 9 logits each ran it over 72 rows for 16, and a batch-8
+        # verify cost 2x a plain step instead of 1.4x.
+        positions = sorted({p for row in rows for p in row})
+        index = {p: i for i, p in enumerate(positions)}
+        logits = self._head(hidden[torch.tensor(positions, device=hidden.device)])  # [P, V]
+        return logits[torch.tensor([[index[p] for p in row] for row in rows], device=hidden.device)]  # [B, N, V]
 
     def _logits(self, hidden: torch.Tensor, q: list[int], num_logits: list[int]) -> torch.Tensor:
         # hidden: [B, Q, H] -> [B, max(num_logits), V] logits at each row's last num_logits positions
