@@ -91,14 +91,6 @@ def unsupported_features(model: PreTrainedModel) -> list[str]:
     return found
 
 
-def _ragged_attention_pays(batch: int, wide_rows: int) -> bool:
-    """Whether attention per kind of row (every row's first query through the one-token kernel, the wide
-    rows through SDPA) beats one SDPA over the batch padded to the widest row. It runs two passes where
-    the padded batch runs one, so it pays only while few rows are wide. Measured at batch 8 on the served
-    target, verify ms, per kind / padded: one row at K=1 8.3 / 9.2, one at K=8 10.9 / 12.5; two rows at K=1
-    9.2 / 9.1; three 9.7-10.0 / 9.2; four 10.8 / 9.0; four at K=4 14.5 / 12.5; six at K=4 17.8 / 14.1."""
-    return wide_rows == 1 or 4 * wide_rows <= batch
-
 class ModelRunner:
     """Batched, ragged forward steps for one model over its own slot KV cache."""
 
@@ -311,8 +303,7 @@ class ModelRunner:
         pos_emb = (self._rope_table[0][rope_at], self._rope_table[1][rope_at])
         if self._fused is not None:
             wide = None
-            if packed and min(q) == 1 and _ragged_attention_pays(batch, sum(n > 1 for n in q)):
-                # one-token rows beside a few wider ones: attention per kind (fused_llama.py)
+            if packed and min(q) == 1:  # one-token rows beside wider ones: attention per kind (fused_llama.py)
                 wide = torch.tensor([b for b, n in enumerate(q) if n > 1], device=dev)
             layout = PackedRows(batch, q_max, padded_index, wide) if packed else None
             hidden = self._fused(hidden, pos_emb, masks, self.cache, layout)  # [1, T, H] when packed
