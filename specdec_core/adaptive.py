@@ -393,11 +393,12 @@ class AdaptiveK:
                 survivals.append(survival(position_rates(acc, judged, priors[key], self.tracker.prior_weight)))
             depth = len(survivals[-1])
             coverage.append([1.0] * depth if cover is None or probe else cover.rates(depth))
+            survivals[-1] = tuple(x * c for x, c in zip(survivals[-1], coverage[-1]))  # what the asks yield
         cls = next((c for c in classes if c.temperature_bucket != "greedy"), classes[0])
         model = self.cost_model_for(cls, context_len)
         per_token = model.costs.draft_prefill_s_per_token
-        start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(x * y for x, y in zip(s, c))) / max(1, left))
-                   for n, left, s, c in zip(catch_up, remaining, survivals, coverage)]
+        start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(s)) / max(1, left))
+                   for n, left, s in zip(catch_up, remaining, survivals)]
         return plan_step(model, survivals, fixed, self.topology, start_s=start_s, coverage=coverage)
 
     def _unexplored(self, cls: TrafficClass, judged: list[int], class_estimate: float | None) -> bool:

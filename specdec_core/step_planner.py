@@ -69,14 +69,13 @@ def plan_step(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Seq
     plain), ``fixed[i]`` a K the row keeps whatever the plan (None: the planner chooses),
     ``start_s[i]`` what row i's first draft position costs beyond a draft forward (its share of the
     draft's catch-up on what it has not seen), ``coverage[i]`` how often row i's proposer delivers
-    each position it is asked for (None: always, as a draft model does): a position yields its
-    survival that often and costs its verify token that often. Admission by survival alone would take
-    a row that must catch up as readily as one that need not, so where some rows must, the plan
-    without them is tried too and the faster kept."""
+    each position it is asked for (None: always, as a draft model does): a position costs its verify
+    token that often (its survival, the caller's, counts that already). Admission by survival alone
+    would take a row that must catch up as readily as one that need not, so where some rows must, the
+    plan without them is tried too and the faster kept."""
     batch = len(survivals)
     start_s = list(start_s) if start_s else [0.0] * batch
     coverage = [list(c) for c in coverage] if coverage else [[1.0] * len(s) for s in survivals]
-    survivals = [tuple(x * c for x, c in zip(s, cover)) for s, cover in zip(survivals, coverage)]
     ks, rate, step_s = _admit(model, survivals, fixed, topology, start_s, coverage)
     if any(start_s):
         in_sync = [0 if t and f is None else f for t, f in zip(start_s, fixed)]

@@ -172,14 +172,16 @@ def test_a_row_whose_proposer_falls_short_is_planned_shallower():
 def test_a_position_proposed_half_the_time_costs_half_its_verify_token():
     """An expected verify token below the staircase's first step is that share of the step, and the
     plan prices a lookup's positions at how often it delivers them: a row whose lookup proposes half
-    of what it is asked costs less than a draft-model row at the same K."""
+    of what it is asked costs less than a draft-model row at the same K (its yield, the survival it is
+    given, is the caller's)."""
     costs = dataclasses.replace(COSTS, one_extra_s=(0.0101, 0.0145, 0.0700), draft_s=(0.0, 0.0, 0.0))  # a lookup
     assert costs.ragged_target_time(8, 0.5) == pytest.approx((0.0140 + 0.0145) / 2)
     assert costs.ragged_target_time(8, 1.0) == pytest.approx(0.0145)
     model = CostModel(costs)
     rows, fixed = [HIGH] + [()] * 7, [None] + [0] * 7
     full = plan_step(model, rows, fixed, margin=0.0)
-    half = plan_step(model, rows, fixed, margin=0.0, coverage=[[0.5] * 8] + [[]] * 7)
+    half_yield = tuple(0.5 * x for x in HIGH)  # the survival of asks proposed half the time
+    half = plan_step(model, [half_yield] + [()] * 7, fixed, margin=0.0, coverage=[[0.5] * 8] + [[]] * 7)
     assert full.ks[0] >= 1 and half.ks[0] >= 1
     assert half.step_s < model.ragged_step_time(8, list(half.ks))  # priced below the full verify of its K
     assert half.expected_tokens == pytest.approx(8 + 0.5 * sum(HIGH[:half.ks[0]]))  # and yields half as often
