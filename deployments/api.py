@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import schemas
-from deployments.proxy_edge import CLIENT_REQUEST_ID
+from deployments.proxy_edge import BUFFERED_BODY, CLIENT_REQUEST_ID
 
 logger = logging.getLogger("ray.serve")
 
@@ -129,10 +129,17 @@ class EdgeMiddleware:
             logger.info("request %s refused at the edge: %s %s", rid, refusal[0], refusal[1])
             return await _error_response(*refusal)(scope, receive, send_with_id)
         received = 0
+        # A body read whole at the proxy (deployments/proxy_edge.py). What ``receive`` gives after it (the
+        # proxy's empty stand-in, then the disconnect) only reaches a disconnect listener, which ignores
+        # all but the disconnect.
+        buffered = scope.pop(BUFFERED_BODY, None)
 
         async def counting_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, buffered
+            if buffered is not None:
+                message, buffered = {"type": "http.request", "body": buffered, "more_body": False}, None
+            else:
+                message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > LIMITS.max_body_bytes:  # a chunked body without content-length

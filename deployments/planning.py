@@ -65,6 +65,12 @@ class Execution:
         return cls(plan, plan.pool)
 
 
+# Texts up to this many characters are tokenized on the event loop (~0.2 ms here), longer ones on the
+# tokenizer thread: the hop there and back costs 0.4-0.8 ms of time to first token on 2 vCPUs
+# (BENCHMARKS.md, "Time to first token, hop by hop"), more than a short prompt's tokenization.
+INLINE_TOKENIZE_CHARS = 1024
+
+
 class Prompts:
     """The target's tokenizer, vocabulary, context limit and EOS ids."""
 
@@ -92,16 +98,18 @@ class Prompts:
                 raise bad_request("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return await self._off_loop(self._encode, prompt)
+            return await self._tokenized(self._encode, prompt, len(prompt))
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt", "invalid_token_id")
         return ids
 
     async def chat_ids(self, messages: list[dict]) -> list[int]:
-        return await self._off_loop(self._encode_chat, messages)
+        return await self._tokenized(self._encode_chat, messages, sum(len(m["content"]) for m in messages))
 
-    async def _off_loop(self, fn, arg):
+    async def _tokenized(self, fn, arg, chars: int):
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return fn(arg)
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, arg)
 
     def _encode(self, text: str) -> list[int]:

@@ -15,6 +15,13 @@ the router.
   ``BodyTimeoutMiddleware``: a body chunk that takes longer than ``BODY_TIMEOUT_S`` gets a 408 and the
   request is cancelled; past ``MAX_CONNECTIONS`` open connections a new one gets a 503 with
   ``Retry-After`` and is closed.
+- **A small body travels with the request.** Behind Serve's proxy the ingress replica fetches a request's
+  body from the proxy with an actor call of its own, after the request has reached it: 1.5 ms of
+  every request's time to first token here (BENCHMARKS.md, "Time to first token, hop by hop").
+  ``BufferedBodyMiddleware`` reads a body whose Content-Length is at most ``BUFFERED_BODY_BYTES``
+  whole and puts it in the ASGI scope (``BUFFERED_BODY``), which Serve sends to the replica with the
+  request; Serve's own reader is handed an empty body. The router's edge (``deployments/api.py``)
+  takes the body from the scope. Larger or chunked bodies take Serve's path.
 - **OpenAI-shaped errors from the HTTP server itself.** A request that does not parse as HTTP (bad
   chunking, a negative Content-Length, TLS bytes on the plain port) gets uvicorn's plain-text 400;
   here it gets ``{"error": {...}}`` like every other error of the service.
@@ -26,8 +33,9 @@ every proxy process before its server starts.
 Serve loads this module from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy_edge:middlewares``
 (read by the proxy processes when the cluster starts: ``./run`` exports it; SECURITY.md). The timeouts
 and the bound come from the environment of the processes that start the cluster:
-``SPECDEC_HTTP_HEADER_TIMEOUT_S``, ``SPECDEC_HTTP_BODY_TIMEOUT_S`` (seconds, default 30) and
-``SPECDEC_HTTP_MAX_CONNECTIONS`` (default 1024).
+``SPECDEC_HTTP_HEADER_TIMEOUT_S``, ``SPECDEC_HTTP_BODY_TIMEOUT_S`` (seconds, default 30),
+``SPECDEC_HTTP_MAX_CONNECTIONS`` (default 1024) and ``SPECDEC_HTTP_BUFFERED_BODY_BYTES`` (default 64 KiB:
+with the connection bound, at most 64 MiB of bodies held by a proxy).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ CLIENT_REQUEST_ID = b"x-client-request-id"
 HEADER_TIMEOUT_S = float(os.environ.get("SPECDEC_HTTP_HEADER_TIMEOUT_S", 30))
 BODY_TIMEOUT_S = float(os.environ.get("SPECDEC_HTTP_BODY_TIMEOUT_S", 30))
 MAX_CONNECTIONS = int(os.environ.get("SPECDEC_HTTP_MAX_CONNECTIONS", 1024))
+BUFFERED_BODY_BYTES = int(os.environ.get("SPECDEC_HTTP_BUFFERED_BODY_BYTES", 64 << 10))
+BUFFERED_BODY = "specdec.body"  # the ASGI scope's key for a body read whole at the edge (bytes)
 RETRY_AFTER_S = 1
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
@@ -113,6 +123,46 @@ class BodyTimeoutMiddleware:
             await send(message)
 
         await self.app(scope, timed_receive, guarded_send)
+
+
+class BufferedBodyMiddleware:
+    """A body of a known length up to ``limit`` bytes is read here, whole, and handed on in the scope
+    (``BUFFERED_BODY``); the app below is given an empty body in its place. Runs inside
+    ``BodyTimeoutMiddleware``, so a stalled body still gets its 408."""
+
+    def __init__(self, app, limit: int = BUFFERED_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not 0 < _content_length(scope, self.limit + 1) <= self.limit:
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left (or its body timed out: answered) before the body was complete
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        scope[BUFFERED_BODY] = b"".join(chunks)
+        replayed = False
+
+        async def rest():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            return await receive()  # what comes after the body: the client's disconnect
+
+        await self.app(scope, rest, send)
+
+
+def _content_length(scope, default: int) -> int:
+    """The request's Content-Length, or ``default`` where it has none (chunked) or it does not parse."""
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"content-length":
+            return int(v) if v.isdigit() else default
+    return default
 
 
 async def _send_error(send, status: int, message: str, code: str) -> None:
@@ -206,4 +256,5 @@ def guard_http_server() -> None:
 
 def middlewares() -> list[Middleware]:
     guard_http_server()
-    return [Middleware(ClientRequestIdMiddleware), Middleware(BodyTimeoutMiddleware)]
+    return [Middleware(ClientRequestIdMiddleware), Middleware(BodyTimeoutMiddleware),
+            Middleware(BufferedBodyMiddleware)]

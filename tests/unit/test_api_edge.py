@@ -5,6 +5,7 @@ of 404/405. The served app runs the same middleware (tests/cluster/serve_app/ co
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -187,3 +188,44 @@ def test_proxy_middleware_moves_a_clients_request_id_aside():
 
     assert asyncio.run(go()).status_code == 204
     assert b"x-request-id" not in seen and seen[b"x-client-request-id"] == b"mine"
+
+
+def test_a_small_body_read_whole_at_the_proxy_reaches_the_app_in_the_scope(edge):
+    """The proxy's ``BufferedBodyMiddleware`` in front of the router's app, as Serve connects them: a
+    body of known length up to its limit travels in the scope and the app reads it from there (nothing
+    of it through ``receive``, which behind Serve is an actor call back to the proxy); a larger or a
+    chunked body goes through ``receive`` as before; the limits hold either way."""
+    from deployments.proxy_edge import BufferedBodyMiddleware
+
+    through_receive = []
+
+    def recording(app):
+        async def recorded(scope, receive, send):
+            async def receive_and_record():
+                message = await receive()
+                through_receive.append(message.get("body", b""))
+                return message
+            await app(scope, receive_and_record, send)
+        return recorded
+
+    stack = BufferedBodyMiddleware(recording(api.app), limit=1000)
+
+    def post(**kw) -> httpx.Response:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=stack), base_url="http://edge") as c:
+                return await c.post("/v1/test-echo", headers={"Authorization": "Bearer sekrit",
+                                                              "content-type": "application/json"}, **kw)
+        through_receive.clear()
+        return asyncio.run(go())
+
+    small = {"prompt": "x" * 500}
+    assert post(json=small).json() == small and b"".join(through_receive) == b""
+    large = {"prompt": "x" * 2000}
+    assert post(json=large).json() == large and json.loads(b"".join(through_receive)) == large
+
+    async def chunked():
+        yield b'{"a": '
+        yield b"1}"
+
+    assert post(content=chunked()).json() == {"a": 1} and b"".join(through_receive) == b'{"a": 1}'
+    assert_openai_error(post(content=b"x" * 5000), 413, "body_too_large")
