@@ -13,8 +13,8 @@ mode's draft tokens went (``acceptance_by_rows``). Modes are interleaved rep by 
 is the median over reps.
 
 Predicted, per mode: the steps each run took in its window (each decode step's rows and their K),
-priced with the engine's calibration as ragged steps (``CostModel.ragged_step_time``), prefills as
-measured; the predicted speedup is that priced tokens/s over the plain run's, rep by rep. The budgeted
+priced with the engine's calibration as ragged steps (``CostModel.ragged_step_time``) at the context
+each ran at (the calibration has the context slopes a served replica's has), prefills as measured; the predicted speedup is that priced tokens/s over the plain run's, rep by rep. The budgeted
 mode's own expectation (``planned``: what its plans expected to buy, step by step) is reported too.
 """
 
@@ -30,13 +30,15 @@ from tqdm import tqdm
 from specdec_bench.common import MODELS_DIR, load_prompts, machine_facts
 from specdec_core import Engine, SamplingParams
 from specdec_core.calibration import calibrate
-from specdec_core.costmodel import CostModel
+from specdec_core.cost_view import CostView
 from specdec_core.stats import StepTiming
 
 FIXED_KS = (1, 2, 4, 8)
 MODES = ("plain", *(f"k{k}" for k in FIXED_KS), "auto", "budget")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-CALIBRATION = {"batches": BATCHES, "qs": (1, 2, 3, 5, 9)}
+# As a served replica calibrates (deployments/engine_hosts.py): the grid at context 64 and its context slopes from
+# a second timing at half the served default context, so a step is priced at its rows' real context.
+CALIBRATION = {"batches": BATCHES, "qs": (1, 2, 3, 5, 9), "long_context_len": 256}
 K_MAX = 8  # auto's and the budget's cap
 WAVES = 4  # requests per batch slot in a cell's run (the steady window: all but the last)
 
@@ -171,10 +173,11 @@ def run_mode(engine: Engine, cell: BudgetCell, rows: list[tuple[str, float]], mo
     return Run(seconds, sum(s.emitted + s.prefill_rows for s in steps), steps, [outs[f"r{i}"] for i in range(total)])
 
 
-def priced_seconds(model: CostModel, run: Run) -> float:
-    """The run's steady window as the cost model prices it: each decode step a ragged step at its batch
-    and its rows' K, each prefill as measured (the same work in every mode)."""
-    return sum(s.prefill_s + (model.ragged_step_time(s.batch, list(s.ks)) if s.batch else 0.0) for s in run.steps)
+def priced_seconds(view: CostView, greedy: bool, run: Run) -> float:
+    """The run's steady window as the cost model prices it: each decode step a ragged step at its batch,
+    its rows' K and its context, each prefill as measured (the same work in every mode)."""
+    return sum(s.prefill_s + (view.model(greedy, s.context_len).ragged_step_time(s.batch, list(s.ks))
+                              if s.batch else 0.0) for s in run.steps)
 
 
 def run_cell(engines: Engines, cell: BudgetCell, reps: int, models_dir) -> BudgetResult:
@@ -194,8 +197,8 @@ def run_cell(engines: Engines, cell: BudgetCell, reps: int, models_dir) -> Budge
     # five noisy modes per rep would be biased high).
     best = best_fixed if tok_s[best_fixed] > tok_s["plain"] else "plain"
     per_rep = [b.tok_s / x.tok_s for b, x in zip(runs["budget"], runs[best])]
-    model = engine.adaptive.view.model(all(t == 0 for _, t in cell.rows))
-    priced = {m: [r.tokens / priced_seconds(model, r) for r in runs[m]] for m in MODES}
+    greedy = all(t == 0 for _, t in cell.rows)
+    priced = {m: [r.tokens / priced_seconds(engine.adaptive.view, greedy, r) for r in runs[m]] for m in MODES}
     predicted = {m: statistics.median(x / p for p, x in zip(priced["plain"], priced[m])) for m in MODES}
     steps = {m: [s for r in runs[m] for s in r.steps if s.batch] for m in MODES}
     planned = [s.planned_speedup for s in steps["budget"] if s.planned_speedup]

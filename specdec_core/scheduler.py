@@ -276,6 +276,7 @@ class Scheduler:
             rows[i].draft_retry_at = now + self.draft_retry_s
         catch_up = max(r.draft_catch_up for r in rows)
         before = [len(r.output_ids) for r in rows]
+        context_len = max(len(r.tokens) for r in rows)  # what the step was priced at (the longest row)
         for i, (req, res, prop) in enumerate(zip(rows, verified, result.proposals)):
             if self.budget is not None and plan.ks[i] and req.carried is None and i not in result.draft_failed:
                 # What only a budgeted plan reads: what its proposer delivered of a fresh ask (a carried
@@ -290,6 +291,7 @@ class Scheduler:
         timing.k = max(proposed)
         timing.ks = tuple(len(p.token_ids) for p in result.proposals)
         timing.draft_tokens = sum(timing.ks)
+        timing.context_len = context_len
         if self.budget is not None and len(self.budget.ks) == len(rows):
             timing.planned_speedup = self.budget.predicted_speedup
         timing.emitted = sum(len(r.output_ids) - n0 for r, n0 in zip(rows, before))
@@ -304,11 +306,9 @@ class Scheduler:
         # Steps whose rows all proposed K tokens (or none), or ran a budgeted plan, teach adaptive K how
         # far real steps run from the calibration.
         if self.budget is not None and catch_up <= 2 and len(self.budget.ks) == len(rows):
-            self.adaptive.observe_ragged_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows),
-                                              list(timing.ks), step_s)
+            self.adaptive.observe_ragged_step(self._traffic_class(rows[0]), context_len, list(timing.ks), step_s)
         elif len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
-            self.adaptive.observe_step(self._traffic_class(rows[0]), max(len(r.tokens) for r in rows), len(rows),
-                                       proposed.pop(), step_s)
+            self.adaptive.observe_step(self._traffic_class(rows[0]), context_len, len(rows), proposed.pop(), step_s)
 
     def _account_regret(self, rows, proposals: list[Proposal], before: list[int], step_s: float) -> None:
         """Charge each adaptive row that speculated against plain steps at this batch for the tokens

@@ -127,6 +127,20 @@ def test_stats_say_the_batch_a_request_decoded_in(engine):
     assert long_.stats.decode_steps == 11 and long_.stats.mean_decode_batch == pytest.approx((3 * 2 + 8) / 11)
 
 
+def test_a_step_records_the_context_it_ran_at(engine):
+    """``last_step.context_len``: the longest decode row's tokens when the step ran (what the step is priced
+    at, and what the budget benchmark prices it at)."""
+    engine.add_request([5, 9, 12], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.add_request([7] * 20, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()  # both prefills: one token each
+    contexts = []
+    while engine.has_work():
+        engine.step()
+        if engine.last_step.batch:
+            contexts.append(engine.last_step.context_len)
+    assert contexts == list(range(21, 28))  # the long row's 20 + 1, growing a token a step
+
+
 def test_seeded_sampling_is_deterministic(engine):
     a = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, num_speculative_tokens=4, seed=5)
     b = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, num_speculative_tokens=4, seed=5)
