@@ -14,8 +14,9 @@ is the median over reps.
 
 Predicted, per mode: the steps each run took in its window (each decode step's rows and their K),
 priced with the engine's calibration as ragged steps (``CostModel.ragged_step_time``) at the context
-each ran at (the calibration has the context slopes a served replica's has), prefills as measured; the predicted speedup is that priced tokens/s over the plain run's, rep by rep. The budgeted
-mode's own expectation (``planned``: what its plans expected to buy, step by step) is reported too.
+each ran at (the calibration has the context slopes a served replica's has), prefills as measured; the
+predicted speedup is that priced tokens/s over the plain run's, rep by rep. The budgeted mode's own
+expectation (``planned``: what its plans expected to buy, step by step) is reported too.
 """
 
 from __future__ import annotations
