@@ -134,7 +134,8 @@ class BufferedBodyMiddleware:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not 0 < _content_length(scope, self.limit + 1) <= self.limit:
+        length = _content_length(scope) if scope["type"] == "http" else None
+        if length is None or not 0 < length <= self.limit:
             return await self.app(scope, receive, send)
         chunks = []
         while True:
@@ -157,12 +158,12 @@ class BufferedBodyMiddleware:
         await self.app(scope, rest, send)
 
 
-def _content_length(scope, default: int) -> int:
-    """The request's Content-Length, or ``default`` where it has none (chunked) or it does not parse."""
+def _content_length(scope) -> int | None:
+    """The request's Content-Length; None where it has none (chunked) or it does not parse."""
     for k, v in scope.get("headers", []):
         if k.lower() == b"content-length":
-            return int(v) if v.isdigit() else default
-    return default
+            return int(v) if v.isdigit() else None
+    return None
 
 
 async def _send_error(send, status: int, message: str, code: str) -> None:
