@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -41,6 +41,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # a second timing at half the served default context, so a step is priced at its rows' real context.
 CALIBRATION = {"batches": BATCHES, "qs": (1, 2, 3, 5, 9), "long_context_len": 256}
 K_MAX = 8  # auto's and the budget's cap
+MIXED_NEW_TOKENS = 128  # the mixed cells' mean output length (``build_cells``); the prose sweep's is 32
 WAVES = 4  # requests per batch slot in a cell's run (the steady window: all but the last)
 
 
@@ -59,6 +60,7 @@ class BudgetResult:
     proposer: str
     batch: int
     rows: list
+    max_new_tokens: int  # mean output length (requests run 1/2 to 3/2 of it)
     tok_s: dict  # mode -> median tokens/s over the steady window
     speedup: dict  # mode -> median of (mode / plain) rep by rep
     predicted: dict  # mode -> predicted speedup over plain (priced steps)
@@ -76,15 +78,18 @@ def build_cells(batches: tuple[int, ...]) -> list[BudgetCell]:
     prose = (("prose", 0.0),)
     cells = [BudgetCell(f"prose b{b}", "draft", b, prose) for b in batches]
     mixed = (("repetitive", 0.0), ("prose", 1.0))
-    cells += [BudgetCell(f"mixed b{b}", "ngram", b, mixed) for b in batches if 2 <= b <= 16]
+    # The mixed cells' rows are what decoding does with them: their repetitive prompts are 90-128 tokens, and
+    # on two cores a 128-token prefill costs ~60 ms, so behind 32-token outputs ~70% of the window was
+    # prefill, the same in every mode (BENCHMARKS.md, "Where the planner's steps go"): outputs of 64-192.
+    cells += [BudgetCell(f"mixed b{b}", "ngram", b, mixed, MIXED_NEW_TOKENS) for b in batches if 2 <= b <= 16]
     # Code at T=1 beside the repetitive rows: the n-gram proposer finds matches in code and proposes there, so a
     # fixed K verifies tokens that T=1 sampling rejects (prose gives it fewer matches).
-    cells += [BudgetCell(f"mixed-code b{b}", "ngram", b, (("repetitive", 0.0), ("code", 1.0)))
+    cells += [BudgetCell(f"mixed-code b{b}", "ngram", b, (("repetitive", 0.0), ("code", 1.0)), MIXED_NEW_TOKENS)
               for b in batches if 4 <= b <= 8]
     # The same rows over the distilled draft: it proposes on every row (the n-gram proposer proposes nothing
     # where it finds no match, so its fixed K already limits itself), so a fixed K pays its draft and verify
     # tokens on the T=1 prose rows too.
-    cells += [BudgetCell(f"mixed-draft b{b}", "draft", b, mixed) for b in batches if 2 <= b <= 16]
+    cells += [BudgetCell(f"mixed-draft b{b}", "draft", b, mixed, MIXED_NEW_TOKENS) for b in batches if 2 <= b <= 16]
     return cells
 
 
@@ -207,6 +212,7 @@ def run_cell(engines: Engines, cell: BudgetCell, reps: int, models_dir) -> Budge
     row_sets = [cell.rows[i % len(cell.rows)][0] for r in runs["plain"] for i in range(len(r.outputs))]
     return BudgetResult(
         cell=cell.name, proposer=cell.proposer, batch=cell.batch, rows=[list(r) for r in cell.rows],
+        max_new_tokens=cell.max_new_tokens,
         tok_s=tok_s, speedup=speedup, predicted=predicted, budget_vs_best=statistics.median(per_rep),
         best_fixed=best_fixed, planned=statistics.fmean(planned) if planned else 1.0,
         mean_k={m: sum(s.draft_tokens for s in steps[m]) / max(1, sum(s.batch for s in steps[m])) for m in MODES},
@@ -235,6 +241,8 @@ def run_budget(args) -> dict:
     models_dir = args.models or MODELS_DIR
     batches = tuple(args.batches) if args.batches else BATCHES
     cells = build_cells(batches)
+    if args.max_new_tokens:
+        cells = [replace(c, max_new_tokens=args.max_new_tokens) for c in cells]
     if args.only:
         cells = [c for c in cells if any(c.name.startswith(o) for o in args.only)]
     reps = args.reps or 3
@@ -257,7 +265,8 @@ def run_budget(args) -> dict:
 def budget_markdown(data: dict) -> str:
     lines = [
         f"Budgeted verification, in process ({data['machine'].get('cpu', '')}, {data['config']['reps']} reps, "
-        f"models {data['config']['models']}): tokens/s, median over reps.",
+        f"models {data['config']['models']}): tokens/s, median over reps; each cell's mean output length in "
+        "tokens beside its name.",
         "",
         "| cell | " + " | ".join(MODES) + " | budget / best | budget predicted / measured | mean K (budget) "
         "| tokens per draft token |",
@@ -265,7 +274,7 @@ def budget_markdown(data: dict) -> str:
     ]
     for c in data["cells"]:
         lines.append(
-            f"| {c['cell']} | " + " | ".join(f"{c['tok_s'][m]:.1f}" for m in MODES)
+            f"| {c['cell']} ({c['max_new_tokens']}) | " + " | ".join(f"{c['tok_s'][m]:.1f}" for m in MODES)
             + f" | {c['budget_vs_best']:.2f} | {c['predicted']['budget']:.2f} / {c['speedup']['budget']:.2f}"
             + f" | {c['mean_k']['budget']:.2f} | {c['tokens_per_verify_token']['budget']:.2f} |"
         )

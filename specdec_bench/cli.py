@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     common(p, quick=False)
     p.add_argument("--batches", type=int, nargs="*", help="batch sizes (default 1 2 4 8 16 32 64)")
     p.add_argument("--only", nargs="*", help="cells whose name starts with one of these (e.g. mixed, 'prose b8')")
+    p.add_argument("--max-new-tokens", type=int, help="every cell's mean output length (default 32; requests run "
+                                                          "1/2 to 3/2 of it)")
     p.set_defaults(func=_budget)
 
     p = sub.add_parser("context", help="in-process batch x context grid: plain, fixed K with a full-KV and a "

@@ -86,8 +86,7 @@ class FusedLlamaLayers:
             elif packed is not None and packed.wide is not None:
                 attn = ragged_attention(q, keys, values, mask, self.scale, packed.wide, gqa)
             else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
-                                                      enable_gqa=gqa)
+                attn = attention(q, keys, values, mask, self.scale, gqa)
             attn = attn.transpose(1, 2).reshape(batch, q_len, -1)  # [B, Q, heads * D]
             if packed is not None:
                 attn = packed.unpad(attn)
@@ -107,7 +106,7 @@ class PackedRows:
     batch: int
     q_len: int
     padded_index: torch.Tensor  # [T]: each real token's place in the padded [batch * q_len] layout
-    wide: torch.Tensor | None  # [W] the rows of more than one token, where others have one (None: all wide)
+    wide: tuple[int, ...] | None  # rows of more than one token, attended one by one (None: the padded batch at once)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [batch, q_len, ...], zeros in the padding
         out = x.new_zeros((self.batch * self.q_len,) + x.shape[1:])
@@ -141,21 +140,55 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def ragged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                     wide: torch.Tensor, gqa: bool) -> torch.Tensor:
+                     wide: tuple[int, ...], gqa: bool) -> torch.Tensor:
     """Attention of a batch whose rows mostly query one token and a few (``wide``) several: every
-    row's first query streams through ``decode_attention``, the wide rows alone through SDPA.
+    row's first query streams through ``decode_attention``, then each wide row alone, on views of its
+    own cache (no copy).
 
     q: [B, heads, Q, D] padded; keys, values: [B, kv_heads, T, D]; mask: [B, 1, Q, T] bool.
-    SDPA over the whole padded batch cost ~1.7 ms a layer at batch 16 against ~0.5 for the one-token
-    kernel, so one row's draft token nearly doubled a batch-16 verify (docs/ARCHITECTURE.md, Facts);
-    here it costs that row's share.
+    Attention over the whole padded batch costs every row Q queries; here a row's draft tokens cost
+    that row's share. Gathering the wide rows' caches for one call instead copied each one's keys and
+    values every layer: ~0.1 ms a row and layer at context 150 (a third of a batch-8 step's attention).
     """
     out = decode_attention(q[:, :, :1], keys, values, mask[:, :, :1], scale)  # [B, heads, 1, D]
     out = out.expand(-1, -1, q.shape[2], -1).contiguous()  # [B, heads, Q, D]: narrow rows' padding repeats
-    wide_out = F.scaled_dot_product_attention(q.index_select(0, wide), keys.index_select(0, wide),
-                                              values.index_select(0, wide), attn_mask=mask.index_select(0, wide),
-                                              scale=scale, enable_gqa=gqa)  # [W, heads, Q, D]
-    return out.index_copy_(0, wide, wide_out)
+    for row in wide:
+        at = slice(row, row + 1)
+        out[at] = attention(q[at], keys[at], values[at], mask[at], scale, gqa)
+    return out
+
+
+# Widest query a row may have for ``small_query_attention``; wider (a prefill) goes to SDPA.
+SMALL_QUERY = 16
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              gqa: bool) -> torch.Tensor:
+    """q: [B, heads, Q, D] against the cache's views: batched products for a verify's few queries,
+    SDPA for a prefill's many."""
+    if q.shape[2] <= SMALL_QUERY:
+        return small_query_attention(q, keys, values, mask, scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def small_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """Attention of a few query tokens per row (a verify): ``decode_attention``'s batched products,
+    a head group's queries at every position stacked against its block.
+
+    q: [B, heads, Q, D]; keys, values: [B, kv_heads, T, D]; mask: [B, 1, Q, T] bool or None.
+    A verify reads the cache once, as a decode step does; SDPA's CPU kernel with a mask took 1.4-1.6x
+    as long at Q = 2-9 (batch 8, 18 heads x 32, context 150-600: 0.29 against 0.17-0.18 ms a layer at Q = 2).
+    """
+    batch, heads, q_len, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    qg = (q * scale).reshape(batch, kv_heads, group * q_len, dim)  # [B, kv, g * Q, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2))  # [B, kv, g * Q, T]
+    if mask is not None:
+        scores = scores.view(batch, kv_heads, group, q_len, -1).masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    out = torch.matmul(torch.softmax(scores.view(batch, kv_heads, group * q_len, -1), dim=-1), values)
+    return out.view(batch, heads, q_len, dim)  # [B, kv, g * Q, D] is [B, heads, Q, D] head-major
 
 
 def share_weight(projection: Projection, modules) -> None:

@@ -40,6 +40,11 @@ POSITION_ONLY_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # The families whose transformers model picks each layer's mask by config.layer_types.
 LAYER_TYPES_FAMILIES = ("qwen2", "qwen3", "smollm3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Rows of different widths attend padded to the widest (every row pays the widest row's queries) or one
+# wide row at a time beside the one-token kernel (``fused_llama.ragged_attention``), whose call per row
+# costs about this many padded queries (batch 8, 18 heads x 32: 0.065-0.09 ms a layer; 17 queries' worth
+# at context 150, 7 at 600). Each forward takes the cheaper.
+ROW_CALL_QUERIES = 12
 
 
 def default_device() -> torch.device:
@@ -303,8 +308,10 @@ class ModelRunner:
         pos_emb = (self._rope_table[0][rope_at], self._rope_table[1][rope_at])
         if self._fused is not None:
             wide = None
-            if packed and min(q) == 1:  # one-token rows beside wider ones: attention per kind (fused_llama.py)
-                wide = torch.tensor([b for b, n in enumerate(q) if n > 1], device=dev)
+            if packed and min(q) == 1:  # one-token rows beside wider ones: attention per kind where cheaper
+                wide_rows = tuple(b for b, n in enumerate(q) if n > 1)
+                if batch * (q_max - 1) > len(wide_rows) * (ROW_CALL_QUERIES + q_max):
+                    wide = wide_rows
             layout = PackedRows(batch, q_max, padded_index, wide) if packed else None
             hidden = self._fused(hidden, pos_emb, masks, self.cache, layout)  # [1, T, H] when packed
         else:

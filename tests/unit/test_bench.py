@@ -56,10 +56,11 @@ def test_regimes_quick_writes_documented_json(family, tmp_path):
 
 def test_budget_sweep_writes_every_mode_measured_and_predicted(family, tmp_path):
     main(["budget", "--models", str(family), "--out", str(tmp_path), "--threads", "1", "--reps", "1",
-          "--batches", "2"])
+          "--batches", "2", "--max-new-tokens", "16"])
     data = json.loads((tmp_path / "budget.json").read_text())
     names = {c["cell"] for c in data["cells"]}
     assert names == {"prose b2", "mixed b2", "mixed-draft b2"}
+    assert all(c["max_new_tokens"] == 16 for c in data["cells"])
     for cell in data["cells"]:
         modes = {"plain", "k1", "k2", "k4", "k8", "auto", "budget"}
         assert set(cell["tok_s"]) == set(cell["predicted"]) == modes
@@ -74,7 +75,7 @@ def test_budget_sweep_writes_every_mode_measured_and_predicted(family, tmp_path)
     by_rows = mixed["acceptance_by_rows"]["k4"].values()
     assert sum(n * rate for n, rate in by_rows) / sum(n for n, _ in by_rows) == pytest.approx(mixed["acceptance"]["k4"])
     text = (tmp_path / "budget.md").read_text()
-    assert "| prose b2 |" in text and "- mixed-draft b2: budget " in text
+    assert "| prose b2 (16) |" in text and "- mixed-draft b2: budget " in text
 
 
 def test_context_grid_writes_every_mode_measured_and_predicted(family, tmp_path):

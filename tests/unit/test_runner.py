@@ -81,6 +81,32 @@ def test_decode_attention_is_sdpa_on_the_head_major_cache(heads, kv_heads, maske
     torch.testing.assert_close(decode_attention(q, keys, values, mask, dim ** -0.5), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(6, 6), (8, 2)])
+@pytest.mark.parametrize("q_len", [2, 5, 9])
+def test_verify_attention_is_sdpa_on_the_head_major_cache(heads, kv_heads, q_len):
+    """A few query tokens a row, causal within the row (a verify): the batched products give SDPA's
+    answer on the cache's strided views, over the padded batch and row by row beside the one-token
+    kernel (the narrow rows' first query)."""
+    import torch.nn.functional as F
+
+    from specdec_core.fused_llama import ragged_attention, small_query_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch, length, dim, scale = 5, 37, 16, 16 ** -0.5
+    cache_k, cache_v = (torch.randn(8, kv_heads, 64, dim, generator=gen) for _ in range(2))  # [slots, kv, max_len, D]
+    keys, values = cache_k[:batch, :, :length], cache_v[:batch, :, :length]
+    q = torch.randn(batch, q_len, heads, dim, generator=gen).transpose(1, 2)  # [B, heads, Q, D]
+    ends = torch.tensor([37, 20, 9, 30, 12])  # each row's length with its new tokens
+    positions = ends.view(-1, 1) - q_len + torch.arange(q_len)  # [B, Q]
+    mask = torch.arange(length).view(1, 1, 1, -1) <= positions.view(batch, 1, q_len, 1)  # [B, 1, Q, T]
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(small_query_attention(q, keys, values, mask, scale), ref, rtol=1e-5, atol=1e-6)
+    wide, narrow = [1, 3], [0, 2, 4]
+    out = ragged_attention(q, keys, values, mask, scale, tuple(wide), heads != kv_heads)
+    torch.testing.assert_close(out[wide], ref[wide], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[narrow, :, 0], ref[narrow, :, 0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def sliding_mistral(tmp_path_factory):
     """A random Mistral whose every layer attends to the last WINDOW positions (transformers' mask)."""
