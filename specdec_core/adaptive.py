@@ -366,7 +366,9 @@ class AdaptiveK:
         """A step's K per row under the step's cost (``step_planner.plan_step``). Per row: its class,
         its (accepted per position, judged per position, class estimate or None) evidence, its K cap,
         a K it keeps (None: planned), its steps since it last proposed. A row plain for
-        ``probe_every`` steps, or one of a class without evidence, is priced as a probe: one draft
+        ``probe_every`` steps (if its draft's catch-up is affordable, ``_probe_affordable``: a probe of a row
+        whose draft has fallen far behind paid a whole prefill for one token's chance), or one of a class
+        without evidence, is priced as a probe: one draft
         token at ``PROBE_CEILING`` (would it pay were acceptance back?), so that evidence can return
         where the plan would take it; a batch where even that does not pay stays plain. A batch with
         any sampled row is priced on the sampling path. ``catch_up``: per row, the tokens the draft
@@ -376,12 +378,18 @@ class AdaptiveK:
         row, how much of what it asked its proposer for came back (a lookup proposes only what followed
         its match): a position yields its survival, and costs its verify token, only as often as it is
         proposed (a probe asks as if it always were: it is there to find out)."""
+        sampled = next((c for c in classes if c.temperature_bucket != "greedy"), classes[0])
+        model = self.cost_model_for(sampled, context_len)
+        batch = len(classes)
         priors: dict[tuple, list[float]] = {}  # a step's rows share a few classes: their rates once per plan
         survivals, coverage = [], []
         coverages = coverages or [None] * len(classes)
-        for cls, (acc, judged, estimate), k, f, run, cover in zip(classes, evidence, k_maxes, fixed, plain_runs,
-                                                                   coverages):
-            probe = f is None and k >= 1 and (run >= self.probe_every or self._unexplored(cls, judged, estimate))
+        for cls, (acc, judged, estimate), k, f, run, cover, n, left in zip(
+                classes, evidence, k_maxes, fixed, plain_runs, coverages, catch_up, remaining):
+            due = f is None and k >= 1 and run >= self.probe_every
+            if due and n > 1 and not self._probe_affordable(model, batch, 0.0, k, left, n - 1):
+                due, k = False, 0  # as per request: the draft's catch-up must be cheap beside what it may save
+            probe = due or (f is None and k >= 1 and self._unexplored(cls, judged, estimate))
             if f is not None or k < 1:
                 survivals.append(())
             elif probe:
@@ -394,8 +402,6 @@ class AdaptiveK:
             depth = len(survivals[-1])
             coverage.append([1.0] * depth if cover is None or probe else cover.rates(depth))
             survivals[-1] = tuple(x * c for x, c in zip(survivals[-1], coverage[-1]))  # what the asks yield
-        cls = next((c for c in classes if c.temperature_bucket != "greedy"), classes[0])
-        model = self.cost_model_for(cls, context_len)
         per_token = model.costs.draft_prefill_s_per_token
         start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(s)) / max(1, left))
                    for n, left, s in zip(catch_up, remaining, survivals)]

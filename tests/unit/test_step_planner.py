@@ -133,6 +133,26 @@ def test_a_class_without_evidence_probes_then_follows_what_it_learns():
     assert policy.plan_budget(**rows, plain_runs=[policy.probe_every] * 8).ks == (1,) * 8
 
 
+def test_a_due_probe_waits_while_its_drafts_catch_up_costs_more_than_it_may_save():
+    """As per request (``AdaptiveK._probe_affordable``): a row plain long enough for a probe, its draft
+    400 tokens behind with 64 tokens left, stays plain (its catch-up spread over what is left would have
+    priced it in); a few tokens behind, it probes."""
+    from dataclasses import replace
+
+    from specdec_core import AcceptanceTracker, AdaptiveK, TrafficClass
+    from specdec_core.cost_view import CostView
+
+    costs = replace(COSTS, draft_prefill_s_per_token=3e-5)
+    policy = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.3), "draft", budgeted=True)
+    cls = TrafficClass.of("draft", 0.0)
+    for _ in range(200):
+        policy.observe(cls, 1, 0)
+    rows = dict(classes=[cls] * 8, evidence=[([], [], None)] * 8, k_maxes=[8] * 8, fixed=[None] * 8,
+                context_len=64, plain_runs=[policy.probe_every] * 8, remaining=[64] * 8)
+    assert policy.plan_budget(**rows, catch_up=[2] * 8).ks == (1,) * 8
+    assert policy.plan_budget(**rows, catch_up=[400] * 8).ks == (0,) * 8
+
+
 def test_a_rows_own_evidence_sets_its_k():
     policy, cls = _policy(prior_mean=0.6)
     for _ in range(40):
