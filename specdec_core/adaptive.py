@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 from specdec_core.acceptance import AcceptanceTracker, ProposalCoverage, TrafficClass, position_rates
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import PROBE_CEILING, CostModel, adaptive_k, expected_tokens_per_step
+from specdec_core.costmodel import PROBE_CEILING, CostModel, KChoice, adaptive_k, expected_tokens_per_step
 from specdec_core.drift import StepDrift
 from specdec_core.step_planner import StepBudget, plan_step, survival
 
@@ -382,13 +382,17 @@ class AdaptiveK:
         model = self.cost_model_for(sampled, context_len)
         batch = len(classes)
         priors: dict[tuple, list[float]] = {}  # a step's rows share a few classes: their rates once per plan
+        probe_best: dict[int, KChoice] = {}  # by K cap: what a probe's row could save, once per plan
         survivals, coverage = [], []
         coverages = coverages or [None] * len(classes)
         for cls, (acc, judged, estimate), k, f, run, cover, n, left in zip(
                 classes, evidence, k_maxes, fixed, plain_runs, coverages, catch_up, remaining):
             due = f is None and k >= 1 and run >= self.probe_every
-            if due and n > 1 and not self._probe_affordable(model, batch, 0.0, k, left, n - 1):
-                due, k = False, 0  # as per request: the draft's catch-up must be cheap beside what it may save
+            if due and n > 1:  # as per request: the draft's catch-up must be cheap beside what it may save
+                if k not in probe_best:
+                    probe_best[k] = model.best_k(batch, PROBE_CEILING, k, self.topology)
+                if not self._probe_affordable(model, batch, PROBE_CEILING, k, left, n - 1, probe_best[k]):
+                    due, k = False, 0
             probe = due or (f is None and k >= 1 and self._unexplored(cls, judged, estimate))
             if f is not None or k < 1:
                 survivals.append(())
@@ -423,20 +427,21 @@ class AdaptiveK:
         self._observe(max(ks), len(ks), seconds, calibrated)
 
     def _probe_affordable(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,
-                          catch_up_tokens: int) -> bool:
+                          catch_up_tokens: int, best: KChoice | None = None) -> bool:
         """Leaving K=0 makes the draft catch up on everything it skipped. Worth it only if that
         prefill would pay off were acceptance back, and (whether it is back is unknown) if it costs
         at most ``PROBE_BUDGET`` of the request's remaining plain decode time: after the plain
-        steps of a long prompt the catch-up was ~30 ms against ~165 ms left."""
+        steps of a long prompt the catch-up was ~30 ms against ~165 ms left. ``best``: the best K at
+        that acceptance, where the caller has it (a plan asks for every row of its batch)."""
         catch_up_s = catch_up_tokens * model.costs.draft_prefill_s_per_token * batch
         budget = PROBE_BUDGET * remaining_tokens * model.plain_time_per_token(batch)
         return catch_up_s <= budget and self._pays_for_catch_up(
-            model, batch, max(a, PROBE_CEILING), k_max, remaining_tokens, catch_up_tokens
+            model, batch, max(a, PROBE_CEILING), k_max, remaining_tokens, catch_up_tokens, best
         )
 
     def _pays_for_catch_up(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,
-                           catch_up_tokens: int) -> bool:
-        best = model.best_k(batch, a, k_max, self.topology)
+                           catch_up_tokens: int, best: KChoice | None = None) -> bool:
+        best = best or model.best_k(batch, a, k_max, self.topology)
         saving = remaining_tokens * (model.plain_time_per_token(batch) - best.time_per_token_s)
         # The catch-up prefill runs inside a batch step: every row of the batch waits for it.
         return saving > catch_up_tokens * model.costs.draft_prefill_s_per_token * batch

@@ -39,6 +39,10 @@ def _reference_logits(model, tokens: list[int], last: int) -> torch.Tensor:  # [
         ([[5, 9, 2], [5, 9, 2]], [[[7], [8]], [[3], [4]]]),  # one token each at a common length: no mask
         ([[5, 9, 2], [1, 2, 3, 4, 5, 6]], [[[7], [8]]]),  # one token each at different lengths
         ([[5, 9], [1, 2, 3, 4]], [[[7, 8, 9], [6]], [[1], [2, 3]]]),  # ragged new tokens: padding, gather
+        # One wide row beside one-token rows: it attends alone, the others through the one-token kernel
+        # (runner.ROW_CALL_QUERIES: cheaper than padding every row to 7 queries).
+        ([[5, 9], [1, 2, 3], [4, 4, 4, 4], [7]], [[[1, 2, 3, 4, 5, 6, 7], [8], [9], [3]]]),
+        ([[5, 9], [1, 2, 3], [4, 4, 4, 4], [7]], [[[1, 2], [8], [9, 1], [3]]]),  # two wide rows: padded
     ],
 )
 def test_ragged_batched_forward_matches_hf(runner_and_reference, prompts, steps):
