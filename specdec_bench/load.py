@@ -149,6 +149,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         "routed_k": spec.get("num_speculative_tokens", 0),
         "route": spec.get("topology") or spec.get("mode"),
         "regime": spec.get("regime"),
+        # the router's predicted speedup over plain decoding for the route it chose (plain: 1)
+        "predicted": spec.get("predicted_speedup") or 1.0,
         "migrations": spec.get("migrations", 0),
         "done": done,  # the stream ended with [DONE]
         "stream_error": stream_error,  # an error event's message
@@ -236,11 +238,21 @@ def summarize(results: list[dict], wall: float) -> dict:
         # K as it ran: draft tokens per speculative step, and the share of decode steps at K=0
         "mean_k": proposed / verify if verify else 0.0,
         "plain_step_share": plain / (verify + plain) if verify + plain else 0.0,
+        "predicted_speedup": predicted_speedup(ok),
         "routed_k": {k: sum(1 for r in ok if r.get("routed_k") == k) for k in {r.get("routed_k") for r in ok}},
         "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
         "regimes": {g: sum(1 for r in ok if r["regime"] == g) for g in {r["regime"] for r in ok}},
         **({"by_profile": by_profile(ok)} if len({r.get("profile") for r in ok}) > 1 else {}),
     }
+
+
+def predicted_speedup(results: list[dict]) -> float:
+    """What the router predicted for a pass, over plain decoding: each request's tokens take 1 / its
+    route's predicted speedup of their plain time, so the pass's is its tokens over that time (a mode
+    that routed some requests plain, at 1, counts them so)."""
+    tokens = sum(r["tokens"] for r in results)
+    plain_time = sum(r["tokens"] / r["predicted"] for r in results if r["predicted"] > 0)
+    return tokens / plain_time if plain_time else 1.0
 
 
 def by_profile(results: list[dict]) -> dict:
@@ -275,7 +287,7 @@ async def run_interleaved(args, model: str) -> list[dict]:
     first_auto = None
     rounds = max(1, args.requests // args.concurrency)
     orders = williams_orders(len(modes))
-    async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=auth_headers(args)) as client:
         for r in tqdm(range(rounds), desc=f"interleaved, concurrency {args.concurrency}"):
             batch = range(r * args.concurrency, (r + 1) * args.concurrency)  # request numbers: the same in every mode
             for mode in (modes[i] for i in orders[r % len(orders)]):
@@ -291,9 +303,12 @@ async def run_interleaved(args, model: str) -> list[dict]:
     if first_auto is not None:
         passes[0]["first_request"] = {k: first_auto.get(k) for k in ("latency", "ttft", "route", "regime")}
     best = max((p for p in passes if p["mode"] != "auto"), key=lambda p: p["output_throughput"], default=None)
+    plain = next((p for p in passes if p["mode"] == "plain"), None)
     for p in passes:
         if best is not None and best["output_throughput"] > 0:
             p["vs_best_explicit"] = p["output_throughput"] / best["output_throughput"]
+        if plain is not None and plain["output_throughput"] > 0:  # measured, beside predicted_speedup
+            p["vs_plain"] = p["output_throughput"] / plain["output_throughput"]
     return passes
 
 
@@ -310,7 +325,9 @@ def run_serve(args) -> dict:
                        f"{p['median_ttft_ms']:.0f}/{p['p99_ttft_ms']:.0f} ms  TPOT p50/p99 "
                        f"{p['median_tpot_ms']:.1f}/{p['p99_tpot_ms']:.1f} ms  "
                        f"x{p.get('vs_best_explicit', 0):.2f} of the best explicit  mean K {p['mean_k']:.2f}  "
-                       f"K=0 steps {p['plain_step_share']:.0%}  routed K {p['routed_k']}  routes {p['routes']}  "
+                       f"K=0 steps {p['plain_step_share']:.0%}  vs plain predicted {p['predicted_speedup']:.2f} "
+                       f"measured {p.get('vs_plain', float('nan')):.2f}  routed K {p['routed_k']}  "
+                       f"routes {p['routes']}  "
                        f"regimes {p['regimes']}  errors {p['errors']}")
         rates = []
     for rate in rates:
@@ -329,14 +346,17 @@ def run_serve(args) -> dict:
 
 def serve_markdown(data: dict) -> str:
     lines = ["# Serving benchmark", "", f"Config: {data['config']}", "",
-             "| mode | rate | concurrency | tok/s | vs best explicit | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+             "| mode | rate | concurrency | tok/s | vs best explicit | vs plain: predicted / measured | "
+             "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
              "TPOT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | acceptance | mean K | K=0 steps | "
              "routes | errors |",
-             "|---" * 18 + "|"]
+             "|---" * 19 + "|"]
     for p in data["passes"]:
         vs = f"{p['vs_best_explicit']:.2f}" if "vs_best_explicit" in p else ""
+        measured = f"{p['vs_plain']:.2f}" if "vs_plain" in p else "-"
         lines.append(
             f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['output_throughput']:.1f} | {vs} | "
+            f"{p.get('predicted_speedup', 1.0):.2f} / {measured} | "
             f"{p['median_ttft_ms']:.0f} | {p['p99_ttft_ms']:.0f} | {p['median_tpot_ms']:.1f} | "
             f"{p['p99_tpot_ms']:.1f} | {p['median_itl_ms']:.1f} | {p['p99_itl_ms']:.1f} | "
             f"{p['median_e2el_ms']:.0f} | {p['p99_e2el_ms']:.0f} | {p['acceptance_rate']:.2f} | "
@@ -344,7 +364,7 @@ def serve_markdown(data: dict) -> str:
         )
     for p in data["passes"]:
         for name, q in p.get("by_profile", {}).items():
-            lines.append(f"| {p['mode']}: {name} | | | | | | | {q['median_tpot_ms']:.1f} | {q['p99_tpot_ms']:.1f} "
+            lines.append(f"| {p['mode']}: {name} | | | | | | | | {q['median_tpot_ms']:.1f} | {q['p99_tpot_ms']:.1f} "
                          f"| | | | | {q['acceptance_rate']:.2f} | | | {q['routes']} | |")
     first = next((p["first_request"] for p in data["passes"] if "first_request" in p), None)
     if first:

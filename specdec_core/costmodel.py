@@ -286,13 +286,15 @@ class CostModel:
         depth = max(ks, default=0)
         rows_at = [sum(1 for k in ks if k > j) for j in range(depth)]
         draft_s = sum(self.costs.draft_time(n) for n in rows_at)
-        return self.priced_ragged_step(batch, sum(ks), draft_s, rows_at[0] if rows_at else 0, topology, calibrated)
+        return self.priced_ragged_step(batch, sum(ks), draft_s, rows_at[0] if rows_at else 0, topology, calibrated,
+                                       depth)
 
     def priced_ragged_step(self, batch: int, extra_tokens: float, draft_s: float, draft_rows: int,
-                           topology: str = "colocated", calibrated: bool = False) -> float:
+                           topology: str = "colocated", calibrated: bool = False, depth: int = 1) -> float:
         """``ragged_step_time`` from its parts: ``extra_tokens`` verify tokens beyond one per row (an
         expected count where a lookup proposes some of what it is asked), the draft's forwards
-        (``draft_s``), ``draft_rows`` rows drafting. The verify is priced by its tokens
+        (``draft_s``), ``draft_rows`` rows drafting, ``depth`` the widest row's K (what the drift
+        learns speculative steps by). The verify is priced by its tokens
         (``StepCosts.ragged_target_time``): its projections cost by tokens, not by the widest row."""
         if float(extra_tokens).is_integer():  # a plan prices every width of its batch, step after step
             key = ("ragged", batch, int(extra_tokens))
@@ -304,7 +306,8 @@ class CostModel:
         t = verify
         if extra_tokens:
             t += draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)
-        return t if calibrated or self.drift is None else t * self.drift.factor(extra_tokens, batch, topology)
+        return t if calibrated or self.drift is None else t * self.drift.factor(depth if extra_tokens else 0, batch,
+                                                                                topology)
 
     def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
         """Time per emitted token with K-token speculation: a step over E_K(a) tokens, or the

@@ -12,12 +12,17 @@ from dataclasses import dataclass, field
 @dataclass
 class _Drift:
     plain: float = 1.0
+    # The speculative kinds' factors are relative to plain's (``StepDrift``: measured / calibrated over
+    # plain's factor when the step was measured): a step of the kind is priced at plain * its factor
     spec: float = 1.0  # co-located speculative steps
     separate: float = 1.0  # the separate topology's rounds (its hops and overlap as served)
     plain_steps: int = 0
     spec_steps: int = 0
     separate_steps: int = 0
     outlier_rate: float = 0.0  # moving share of observations off the calibration by more than the bounds
+    # Co-located speculative steps by draft depth (``StepDrift.depth``: the step's largest K, in powers of two)
+    by_depth: dict[int, float] = field(default_factory=dict)
+    depth_steps: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -43,6 +48,21 @@ class StepDrift:
     bucket's recent steps, the bucket keeps the calibration as it is. Recent, not all: a served
     replica's first requests (cold start, warm-up stalls) are outliers too, and must not switch the
     correction off for the replica's life.
+
+    The speculative kinds are learnt relative to plain steps: each one's measured / calibrated over the
+    plain factor of that moment, priced at plain * that. This host's speed moves by 10-25% over minutes
+    (a phase of the machine, the same for every kind of step), and an absolute factor per kind compared
+    a kind learnt in a slow phase with one learnt in a fast phase: the budgeted planner, running plain
+    through a fast phase, learnt plain at 0.87-0.91 while its speculative factors stayed at the 1.03-1.19
+    of a slow phase minutes before, so it priced speculation 15-30% dear and ran plain at a batch where
+    K=2 measured 1.24x. Relative, a phase moves every kind with plain.
+
+    Co-located speculative steps are also learnt by draft depth (the step's largest K, bucketed in
+    powers of two), and a depth seen ``min_steps`` times prices with its own factor: one factor for every
+    K let the calibration's error at one depth price every other. On a host whose draft forwards ran
+    slower than calibrated beyond the first (batch 4: K=1 steps at 1.01x their price, K=2 at 1.07-1.11x,
+    K=3-4 at 1.1-1.4x), the planner's deep plans were priced by the shallow steps' factor, went to a mean K
+    of 4.4 where K=1 was best, and measured 0.78x of it.
     """
 
     weight: float = 0.05  # per observed step
@@ -61,6 +81,11 @@ class StepDrift:
     def bucket(batch: float) -> int:
         return max(0, math.ceil(math.log2(max(batch, 1.0))))
 
+    @staticmethod
+    def depth(k: int) -> int:
+        """A speculative step's depth bucket: its largest K rounded up to a power of two (1, 2, 4, 8, ...)."""
+        return 1 << max(0, math.ceil(math.log2(max(k, 1))))
+
     def factor(self, k: int, batch: float = 1, topology: str = "colocated") -> float:
         d = self.buckets.get(self.bucket(batch))
         if d is None or d.outlier_rate > 0.1 or d.plain_steps < self.min_steps:
@@ -71,8 +96,11 @@ class StepDrift:
         if k == 0:
             return d.plain
         if topology == "separate":
-            return d.separate if separate else d.spec
-        return d.spec if colocated else d.separate
+            return d.plain * (d.separate if separate else d.spec)
+        if not colocated:
+            return d.plain * d.separate
+        depth = self.depth(k)
+        return d.plain * (d.by_depth[depth] if d.depth_steps.get(depth, 0) >= self.min_steps else d.spec)
 
     def measured(self, batch: float, kind: str) -> bool:
         """Have served steps of ``kind`` ("plain", "colocated", "separate") been seen ``min_steps``
@@ -96,10 +124,17 @@ class StepDrift:
         if outlier:
             return
         kind = "plain" if k == 0 else topology
+        if kind != "plain":
+            ratio /= d.plain  # relative to plain steps as measured now (1 before any)
         field_, steps = _FACTOR[kind], _STEPS[kind]
         n = getattr(d, steps) + 1
         setattr(d, steps, n)
         setattr(d, field_, getattr(d, field_) + max(self.weight, 1.0 / n) * (ratio - getattr(d, field_)))
+        if kind == "colocated":
+            depth = self.depth(k)
+            n = d.depth_steps[depth] = d.depth_steps.get(depth, 0) + 1
+            old = d.by_depth.get(depth, 1.0)
+            d.by_depth[depth] = old + max(self.weight, 1.0 / n) * (ratio - old)
 
 
 # A step kind's factor and count in a `_Drift`.

@@ -157,4 +157,5 @@ class _RaggedPricer:
 
     def step_s(self) -> float:
         return self.model.priced_ragged_step(self.batch, self.extra, self.draft_s,
-                                             self.rows_at[0] if self.rows_at else 0, self.topology)
+                                             self.rows_at[0] if self.rows_at else 0, self.topology,
+                                             depth=max(1, len(self.rows_at)))

@@ -238,3 +238,13 @@ def test_served_peers_summary_is_the_median_over_repeats_against_vllms_best(tmp_
     cfg = yaml.safe_load(family_config("models/target", "models/draft", 8123, tmp_path).read_text())
     assert cfg["http_options"]["port"] == 8123
     assert cfg["applications"][0]["args"]["target"] == "models/target"
+
+
+def test_a_pass_predicted_speedup_is_its_tokens_over_their_predicted_plain_time():
+    from specdec_bench.load import predicted_speedup
+
+    # 40 tokens predicted 2x faster than plain (20 tokens' worth of plain time) and 10 plain tokens:
+    # 50 tokens in 30 tokens' plain time, not the mean of 2.0 and 1.0
+    results = [{"tokens": 40, "predicted": 2.0}, {"tokens": 10, "predicted": 1.0}]
+    assert predicted_speedup(results) == pytest.approx(50 / 30)
+    assert predicted_speedup([{"tokens": 8, "predicted": 1.0}] * 3) == 1.0

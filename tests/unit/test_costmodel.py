@@ -388,6 +388,45 @@ def test_step_drift_moves_a_near_break_even_decision():
 
 
 
+def test_drift_prices_each_draft_depth_by_its_own_steps():
+    """K=1 steps ran as calibrated, K=4 steps 1.4x their price: each depth prices with its own factor
+    (K=3 with K=4's: one bucket), a depth not yet measured (K=2) with all co-located steps' factor, and a
+    depth seen fewer than ``min_steps`` times too."""
+    drift = StepDrift()
+    for _ in range(30):
+        drift.observe(0, 1.0, 1.0)
+        drift.observe(1, 1.0, 1.0)
+        drift.observe(4, 1.4, 1.0)
+    for _ in range(5):
+        drift.observe(8, 1.9, 1.0)
+    assert drift.factor(1) == pytest.approx(1.0) and drift.factor(0) == pytest.approx(1.0)
+    assert drift.factor(4) == pytest.approx(1.4) and drift.factor(3) == pytest.approx(1.4)
+    mixed = drift.buckets[0].spec
+    assert 1.0 < mixed < 1.4
+    assert drift.factor(2) == drift.factor(8) == mixed
+    assert drift.factor(4, topology="separate") == mixed  # the separate rounds: not measured, the co-located kind
+    costs = leviathan_costs(0.1)
+    cm = CostModel(costs, drift=drift)
+    assert cm.ragged_step_time(1, [3]) == pytest.approx(1.4 * cm.ragged_step_time(1, [3], calibrated=True))
+    assert cm.spec_step_time(1, 1) == pytest.approx(cm.calibrated_step_time(1, 1))
+
+
+def test_a_phase_of_the_host_moves_every_kind_of_step_with_plain():
+    """Plain and K=2 steps both ran 1.2x their price (a slow phase), then a fast phase ran only plain
+    steps, at 0.9x: speculation is priced 0.9x too, as it would have run, not 1.2x from minutes before."""
+    drift = StepDrift()
+    cm = CostModel(leviathan_costs(0.2), drift=drift)
+    for _ in range(40):
+        drift.observe(0, 1.2, 1.0)
+        drift.observe(2, 1.2, 1.0)
+    assert drift.factor(0) == pytest.approx(1.2) and drift.factor(2) == pytest.approx(1.2)
+    for _ in range(200):
+        drift.observe(0, 0.9, 1.0)
+    assert drift.factor(0) == pytest.approx(0.9, abs=0.01) and drift.factor(2) == pytest.approx(0.9, abs=0.01)
+    assert cm.spec_step_time(1, 2) / cm.plain_time_per_token(1) == pytest.approx(
+        cm.calibrated_step_time(1, 2) / cm.calibrated_step_time(1, 0), rel=0.01)
+
+
 def test_drift_is_learnt_per_topology():
     """Separate rounds measured 0.7x their calibrated price, co-located steps as calibrated: the
     separate topology's price drops and only its; before co-located steps are measured, both

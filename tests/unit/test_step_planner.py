@@ -206,3 +206,21 @@ def test_a_position_proposed_half_the_time_costs_half_its_verify_token():
     assert half.step_s < model.ragged_step_time(8, list(half.ks))  # priced below the full verify of its K
     assert half.expected_tokens == pytest.approx(8 + 0.5 * sum(HIGH[:half.ks[0]]))  # and yields half as often
     assert full.expected_tokens == pytest.approx(8 + sum(HIGH[:full.ks[0]]))
+
+
+def test_deep_plans_are_priced_by_how_deep_steps_ran():
+    """At batch 8 the plan goes deep for rows that accept 90%; once steps of depth 3-4 and beyond have
+    measured 1.5x their price while K<=2 steps ran as priced, the same rows plan no deeper than 2."""
+    from specdec_core.drift import StepDrift
+
+    drift = StepDrift()
+    deep = plan_step(CostModel(COSTS, drift=drift), [HIGH] * 8, [None] * 8)
+    assert max(deep.ks) > 2
+    for _ in range(40):
+        drift.observe(0, 1.0, 1.0, batch=8)
+        for k in (1, 2):
+            drift.observe(k, 1.0, 1.0, batch=8)
+        for k in (4, 8):
+            drift.observe(k, 1.5, 1.0, batch=8)
+    shallow = plan_step(CostModel(COSTS, drift=drift), [HIGH] * 8, [None] * 8)
+    assert 0 < max(shallow.ks) <= 2

@@ -147,3 +147,21 @@ def test_metrics_on_prometheus_endpoint(server, client):
         time.sleep(1)
     missing = [w for w in want if w not in text]
     assert not missing, missing
+
+
+def test_the_serving_bench_sets_each_modes_prediction_beside_its_measured_speedup(server):
+    """``specdec-bench serve --interleave`` against the app: every pass carries the router's predicted
+    speedup over plain (from each response's ``speculation``) and its measured one against the plain pass."""
+    from types import SimpleNamespace
+
+    from specdec_bench.load import run_interleaved
+
+    args = SimpleNamespace(url=server["url"], prompts="prose", temperature=0.0, user=None, mix=None,
+                           modes=["plain", "colocated:2"], concurrency=2, requests=2, max_tokens=8)
+    passes = {p["mode"]: p for p in asyncio.run(run_interleaved(args, "tiny"))}
+    assert passes["plain"]["predicted_speedup"] == 1.0 and passes["plain"]["vs_plain"] == 1.0
+    spec = passes["colocated:2"]
+    assert spec["routes"] == {"colocated": 2} and spec["errors"] == 0
+    # the router's price of K=2 on the app's synthetic costs, which is not plain's 1
+    assert 0.0 < spec["predicted_speedup"] < 4.0 and abs(spec["predicted_speedup"] - 1.0) > 1e-6
+    assert spec["vs_plain"] == pytest.approx(spec["output_throughput"] / passes["plain"]["output_throughput"])
