@@ -29,7 +29,7 @@ def regimes_markdown(data: dict) -> str:
         "the better mode's in the same rep (the better of plain and spec by the tok/s above); "
         "predicted = cost model (calibrated step costs + measured acceptance). auto K share: auto's decode "
         "steps at each K (K=1 after plain steps: probes); drift: its engine's measured / calibrated step time "
-        "at the cell's batch, plain / speculative (1 until both have 20 steps).",
+        "at the cell's batch, plain / speculative relative to plain (1 until both have 20 steps).",
         "",
         "| regime | draft | batch | T | K | plain tok/s | spec tok/s | auto tok/s | speedup | predicted | "
         "auto/best | acceptance | cost ratio | mean acc. len | auto K share | drift | sweep |",
