@@ -84,7 +84,7 @@ class StepDrift:
     @staticmethod
     def depth(k: int) -> int:
         """A speculative step's depth bucket: its largest K rounded up to a power of two (1, 2, 4, 8, ...)."""
-        return 1 << max(0, math.ceil(math.log2(max(k, 1))))
+        return 1 << (max(k, 1) - 1).bit_length()
 
     def factor(self, k: int, batch: float = 1, topology: str = "colocated") -> float:
         d = self.buckets.get(self.bucket(batch))
@@ -129,12 +129,15 @@ class StepDrift:
         field_, steps = _FACTOR[kind], _STEPS[kind]
         n = getattr(d, steps) + 1
         setattr(d, steps, n)
-        setattr(d, field_, getattr(d, field_) + max(self.weight, 1.0 / n) * (ratio - getattr(d, field_)))
+        setattr(d, field_, self._toward(getattr(d, field_), ratio, n))
         if kind == "colocated":
             depth = self.depth(k)
             n = d.depth_steps[depth] = d.depth_steps.get(depth, 0) + 1
-            old = d.by_depth.get(depth, 1.0)
-            d.by_depth[depth] = old + max(self.weight, 1.0 / n) * (ratio - old)
+            d.by_depth[depth] = self._toward(d.by_depth.get(depth, 1.0), ratio, n)
+
+    def _toward(self, factor: float, ratio: float, n: int) -> float:
+        """A factor after its n-th observation: the plain mean of the first 1 / weight, a moving average after."""
+        return factor + max(self.weight, 1.0 / n) * (ratio - factor)
 
 
 # A step kind's factor and count in a `_Drift`.
