@@ -34,7 +34,7 @@ GREEDY, SAMPLED = _costs(0.0005, 0.003), _costs(0.0007, 0.0045)  # sampling cost
 
 def _router(a: float) -> RouteState:
     st = RouteState("d", AcceptanceTracker(prior_mean=a), k_max=8, default_k=4, context_limit=2048,
-                    domains=DomainTable(promote_after=1))
+                    domains=DomainTable(promote_after=1), clock=lambda: 0.0)
     st.set_costs(GREEDY, "test", SAMPLED)
     return st
 

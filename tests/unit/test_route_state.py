@@ -22,6 +22,7 @@ ALL = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
 
 
 def _state(a=0.9, evidence=0, costs=None, **kw) -> RouteState:
+    kw.setdefault("clock", lambda: 0.0)  # a frozen clock: no lesson fades between two lines of a test
     tr = AcceptanceTracker(prior_mean=a)
     st = RouteState("d", tr, k_max=8, default_k=4, context_limit=512, domains=DomainTable(promote_after=1), **kw)
     if costs is not None:

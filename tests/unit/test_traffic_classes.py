@@ -36,7 +36,7 @@ def test_frequent_users_get_their_own_class_and_the_least_recent_is_demoted():
 def test_six_hundred_users_give_a_bounded_regime_map():
     tracker = AcceptanceTracker()
     st = RouteState("d", tracker, k_max=8, default_k=4, context_limit=512,
-                    domains=DomainTable(capacity=8, buckets=4, promote_after=3))
+                    domains=DomainTable(capacity=8, buckets=4, promote_after=3), clock=lambda: 0.0)
     for _round in range(3):  # every user three times: all of them reach promotion
         for i in range(600):
             cls = st.traffic_class(0.0, f"user-{i}")
