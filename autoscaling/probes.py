@@ -94,14 +94,16 @@ def scheduled_probe(ctx: RoutingContext, decision: RoutingDecision, acceptance_p
     (a calibration that undersells served speculation keeps a class plain, and only served
     speculative steps can say so). ``measured(batch, kind)`` gives that bucket and whether served
     steps of ``kind`` ("plain", "colocated", "separate") are measured there; on shared cores a cost probe
-    runs only where no other pool's rows would decode beside it (beside them its steps teach no drift,
-    ``RouteState._ran_alone``, and the probes would go on forever). None: run ``decision``."""
+    runs only where no other pool's rows would decode beside it, now or joining the load while it decodes
+    (``PoolLoad.joining``: beside them its steps teach no drift, ``RouteState._ran_alone``, and the probes
+    would go on forever: in bursts of 8 on the tiny family the first request of each, joining an idle
+    load, went to the separate topology, 12-17% of the auto requests). None: run ``decision``."""
     spec = probe_route(ctx, decision)
     if spec is not None and acceptance_probes.probe_due(ctx.features.traffic_class, now):
         return spec
     for probe in (cost_probe_route(ctx, decision), topology_probe_route(ctx, decision), spec):
-        if probe is None or ctx.shared_compute and ctx.loads[probe.pool].beside:
-            continue  # on shared cores a step beside another pool's rows measures no served cost of its own
+        if probe is None or ctx.shared_compute and (ctx.loads[probe.pool].beside or ctx.loads[probe.pool].joining >= 1):
+            continue  # on shared cores a step beside another pool's rows (now, or joining) measures no cost of its own
         bucket, seen = measured(ctx.loads[probe.pool].joined_batch(), probe.pool)
         if not seen:
             if not cost_probes.probe_due((probe.pool, bucket), now):

@@ -25,7 +25,10 @@ Rules, in order:
    it joins the pool that holds most rows unless another is predicted
    ``split_margin`` faster (two busy engines on the same cores serve less than
    either alone), in a speculative pool while speculation there is within
-   ``split_margin`` of plain.
+   ``split_margin`` of plain. A pool whose adaptive K ran most steps of the auto requests of this
+   class recently sent there at this batch plain (``PoolLoad.declined``: the engine measured its
+   speculative steps losing to its plain ones) is not sent more of them: they would decode plain
+   there, beside the plain pool's rows on the same cores, where the plain pool serves them whole.
 
 Probes (``autoscaling/probes.py``, scheduled by ``autoscaling/exploration.py``): a class that rule 3
 keeps sending plain for its acceptance gets a few probe requests on speculation (``probe_route``) so
@@ -108,6 +111,9 @@ class PoolLoad:
     #                       (negative: rows leave)
     beside: int = 0  # rows decoding in the other pools on the same cores (pools that share compute; else 0)
     probing: int = 0  # of active: exploration probes (they run where routing did not put them)
+    # Share of their decode steps that the pool's adaptive K recently ran plain for auto requests of this
+    # class at this batch: the engine's own verdict, from its measured steps, on the speculation routed there
+    declined: float = 0.0
 
     def has_room(self) -> bool:
         return self.active + self.queued < self.replicas * self.capacity
@@ -134,6 +140,7 @@ class PoolLoad:
 class RoutingThresholds:
     margin: float = 0.05  # speculate only above 1 + margin predicted speedup
     split_margin: float = 0.10  # on shared cores, leave the pool that holds the load only for this much more
+    declined_share: float = 0.5  # a pool whose adaptive K ran this share of such requests' steps plain is not sent them
     high_temperature: float = 0.7
     low_acceptance: float = 0.5
     min_evidence: float = 50.0  # judged tokens before a low a is blamed on the traffic
@@ -235,6 +242,7 @@ class _Option:
     topology: str
     batch: int
     choice: KChoice
+    declined: bool = False  # the pool's adaptive K ran such requests plain at this batch (``PoolLoad.declined``)
 
 
 def price(model: CostModel, topology: str, batch: int, a: float, k_max: int, budgeted: bool = False) -> KChoice:
@@ -268,7 +276,8 @@ def spec_options(ctx: RoutingContext) -> list[_Option]:
         load = ctx.loads.get(t)
         if t in ctx.cost_models and load is not None and load.replicas > 0:
             b = load.decode_batch()
-            options.append(_Option(t, b, _best(ctx, t, b, ctx.acceptance)))
+            options.append(_Option(t, b, _best(ctx, t, b, ctx.acceptance),
+                                   load.declined >= ctx.thresholds.declined_share))
     return options
 
 
@@ -343,7 +352,7 @@ def route(ctx: RoutingContext) -> RoutingDecision:
     if regime == "prefill_heavy":
         return _plain(regime, "too few decode steps to amortise the draft")
     home = _home(ctx)
-    paying = [o for o in options if o.choice.k > 0
+    paying = [o for o in options if o.choice.k > 0 and not o.declined
               and o.choice.predicted_speedup > 1.0 + th.margin + _split(ctx, home, o.topology)]
     stay = _stay(ctx, home, options)
     if stay is not None and not any(o.choice.predicted_speedup - _split(ctx, home, o.topology)
@@ -355,6 +364,9 @@ def route(ctx: RoutingContext) -> RoutingDecision:
         cm = ctx.cost_models[best.topology]
         stays = " (stays with the load on shared cores)" if home == PLAIN_POOL and \
             best.choice.predicted_speedup > 1.0 + th.margin else ""
+        if best.declined:
+            stays += f" ({best.topology}'s adaptive K ran such requests plain at this batch: " \
+                     f"{ctx.loads[best.topology].declined:.0%} of their steps)"
         return _plain(regime, f"predicted speedup {best.choice.predicted_speedup:.2f} <= "
                               f"{1.0 + th.margin + _split(ctx, home, best.topology):.2f}{stays} "
                               f"(a={ctx.acceptance:.2f} on {ctx.evidence:.0f} judged tokens, "
@@ -390,9 +402,9 @@ def _stay(ctx: RoutingContext, home: str | None, options: list[_Option]) -> _Opt
     """The speculative pool that holds the load on shared cores, priced with K >= 1 for a request that
     joins it, where speculation there is within ``split_margin`` of plain (the replica's adaptive K goes
     down to K=0 where it does not pay); None where the load is not in a speculative pool, or it is full,
-    or a budgeted pool would plan the request plain."""
+    or a budgeted pool would plan the request plain, or its adaptive K ran such requests plain."""
     opt = next((o for o in options if o.topology == home and ctx.loads[o.topology].has_room()), None)
-    if opt is None or home in ctx.budgeted and opt.choice.k == 0:
+    if opt is None or opt.declined or home in ctx.budgeted and opt.choice.k == 0:
         return None
     choice = opt.choice if opt.choice.k > 0 else ctx.cost_models[home].best_k(
         opt.batch, ctx.acceptance, ctx.k_max, home, allow_plain=False)

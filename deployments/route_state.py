@@ -66,6 +66,10 @@ SERVED_DRIFT_MIN_REQUESTS = 3  # finished requests on each side of a batch bucke
 # that a burst's pricing does not outlive the burst.
 JOINING_WEIGHT = 0.2
 JOINING_HALF_LIFE_S = 30.0
+# What the pools' adaptive K declined (``RouteState.declined``): a moving share per request, faded with this
+# half-life so that a batch whose speculation the engine declined is offered it again once the lesson is old
+DECLINED_WEIGHT = 0.2
+DECLINED_HALF_LIFE_S = 60.0
 # On shared cores, a request teaches the served drift only where other pools held at most this share of the rows
 # while it ran (``RouteState._ran_alone``).
 ALONE_SHARE = 0.1
@@ -136,6 +140,7 @@ class RouteState:
         self._separate_adaptive: AdaptiveK | None = None
         # (pool, joined-batch bucket) -> (rows that joined while its requests decoded, when learnt)
         self._joining: dict[tuple[str, int], tuple[float, float]] = {}
+        self._declined: dict[tuple[str, int, TrafficClass], tuple[float, float]] = {}
         self.set_costs(PRIOR_COSTS)
 
     @classmethod
@@ -218,9 +223,11 @@ class RouteState:
     def context(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> RoutingContext:
         cls = features.traffic_class
         spec = [t for t in SPEC_TOPOLOGIES if t in loads]
+        loads = {p: dataclasses.replace(load, declined=self.declined(p, load.decode_batch(), cls)) if p in spec
+                 else load for p, load in loads.items()}
         return RoutingContext(
             features=features,
-            loads=dict(loads),
+            loads=loads,
             cost_models=dict.fromkeys(spec, self.view.model_for(cls, features.prompt_tokens)),
             short_context_models=dict.fromkeys(spec, self.view.model_for(cls)),
             acceptance=self.tracker.estimate(cls),
@@ -276,20 +283,43 @@ class RouteState:
         self._joining[self._joining_key(pool, joined)] = (value + JOINING_WEIGHT * (decoded - joined - value),
                                                           self.clock())
 
+    def declined(self, pool: str, batch: float, cls: TrafficClass | None) -> float:
+        """Share of their decode steps that ``pool``'s adaptive K ran plain for the recent auto requests of
+        ``cls`` that decoded at a batch like ``batch`` (the whole load's, on shared cores), faded since."""
+        value, at = self._declined.get((pool, self.drift.bucket(batch), cls), (0.0, 0.0))
+        return value * 0.5 ** ((self.clock() - at) / DECLINED_HALF_LIFE_S)
+
+    def _learn_declined(self, pool: str, batch: float, cls: TrafficClass, stats: RequestStats) -> None:
+        """An auto request routed to speculation finished: the share of its decode steps its pool's adaptive K
+        ran plain. The engine chose them from its measured step times (the regret guard: speculative steps
+        against its own plain ones, on the cores as they are now), which the router's prices only model:
+        on the tiny family at batch 8 the router priced K=2-3 at 1.07-1.13x plain, its requests ran 70-91%
+        of their steps plain there, and measured 0.84-0.95x of the plain pool."""
+        plain_decode = max(0, stats.plain_steps - 1)  # the prefill's pass is one of its plain steps
+        steps = plain_decode + stats.verify_steps
+        if steps:
+            value = self.declined(pool, batch, cls)
+            self._declined[(pool, self.drift.bucket(batch), cls)] = (
+                value + DECLINED_WEIGHT * (plain_decode / steps - value), self.clock())
+
     def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
         """The drift bucket of ``batch`` and whether served steps of ``kind`` (a pool) are measured there."""
         return self.drift.bucket(batch), self.drift.measured(batch, kind)
 
     # ---- feedback ------------------------------------------------------------------------------
     def learn(self, pool: str, batch: int, cls: TrafficClass, stats: RequestStats, seconds_per_token: float,
-              migrated: bool, whole_load: tuple[int, float] | None = None) -> None:
+              migrated: bool, whole_load: tuple[int, float] | None = None, adaptive: bool = False) -> None:
         """A request finished: its judged draft tokens teach the acceptance estimate of its class, its
         measured time per token the served drift (not after a migration: a re-prefill is no step time)
         at the batch its decode steps ran in (``batch``, the one it joined, only when it ran none: in a
         closed loop a request that joined an idle pool decodes beside the ones that follow it, and
         timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration).
         Where the pools share their cores, the rows that joined it are the whole load's: ``whole_load``
-        = (all pools' rows once it joined, their mean while it ran), per replica of its pool."""
+        = (all pools' rows once it joined, their mean while it ran), per replica of its pool. An ``adaptive``
+        request (auto, routed to speculation) teaches what its pool's adaptive K declined (``declined``)."""
+        if adaptive and not migrated and pool in SPEC_TOPOLOGIES:
+            decoded = whole_load[1] if self.shared_compute and whole_load is not None and whole_load[1] else None
+            self._learn_declined(pool, decoded or stats.mean_decode_batch or batch, cls, stats)
         if not migrated:
             if self.shared_compute and whole_load is not None and whole_load[1]:
                 self._learn_joining(pool, *whole_load)
@@ -324,15 +354,19 @@ class RouteState:
         step also pays the replica's loop and streaming, which a speculative step spreads over
         several tokens, so served speculation can pay where the engine-step costs say it does not;
         and the separate topology's rounds pay hops and overlap the draft with the verify on
-        another process, which no calibrated step measures."""
+        another process, which no calibrated step measures. A co-located request that adaptive K
+        moved between step shapes teaches by its steps of each K (``StepDrift.observe_mixed``); a
+        separate one only when all its rounds had one shape."""
         verify = stats.verify_steps
         # plain_steps counts the prefill's pass, and a fixed-K request may end on a K=0 step (its
         # token budget): one such decode step still leaves the request a K-token one.
         plain_decode = max(0, stats.plain_steps - 1)
-        if pool not in POOLS or seconds_per_token <= 0 or (verify and plain_decode > 1):
-            return  # a request that changed K has no single step shape
-        if pool == "separate" and not verify:
-            return  # a separate request that never speculated (its draft failed) measured no round
+        spec_ks = sum(1 for k, n in enumerate(stats.proposal_lengths) if k and n)
+        ran_plain = verify and plain_decode > 1  # adaptive K moved it between plain and speculative steps
+        if pool not in POOLS or seconds_per_token <= 0:
+            return
+        if pool == "separate" and (not verify or ran_plain):
+            return  # no round measured (its draft failed), or plain steps beside its rounds in one time per token
         k = round(stats.proposed / verify) if verify else 0
         context = stats.prompt_tokens + stats.output_tokens // 2  # its decode steps, on average
         model = self.view.model_for(cls, context) if cls is not None else self.cost_model()
@@ -340,6 +374,12 @@ class RouteState:
             a = stats.accepted / max(1, sum(stats.proposed_per_position))
             calibrated = CostModel(model.costs).spec_time_per_token(batch, k, a, "separate")
             self.drift.observe(k, seconds_per_token, calibrated, batch, "separate")
+            return
+        if ran_plain or spec_ks > 1:
+            steps = [plain_decode, *stats.proposal_lengths[1:]]
+            decode_tokens = plain_decode + verify + stats.accepted
+            self.drift.observe_mixed(steps, seconds_per_token * decode_tokens,
+                                     lambda k: model.calibrated_step_time(batch, k), batch)
             return
         measured = seconds_per_token * (stats.mean_acceptance_length if verify else 1.0)
         self.drift.observe(k, measured, model.calibrated_step_time(batch, k), batch)
@@ -407,7 +447,13 @@ class RouteState:
                       # served / calibrated step time per batch bucket (log2), learnt from finished requests
                       "drift": {b: dataclasses.asdict(d) for b, d in self.drift.buckets.items()}},
             "k_max": self.k_max,
-            "pools": {p: dataclasses.asdict(load) for p, load in self.priced_loads(loads).items()},
+            # (a pool's ``declined`` is per class: the list below)
+            "pools": {p: {k: v for k, v in dataclasses.asdict(load).items() if k != "declined"}
+                      for p, load in self.priced_loads(loads).items()},
+            # what the pools' adaptive K declined: share of steps run plain, by pool, batch bucket and class
+            "declined": [{"pool": pool, "batch_bucket": bucket, "class": dataclasses.asdict(cls) if cls else None,
+                          "share": share} for (pool, bucket, cls) in self._declined
+                         if (share := self.declined(pool, 2 ** bucket, cls)) >= 0.01],
             "shared_compute": self.shared_compute,
             "classes": out,
         }

@@ -6,7 +6,10 @@ applied by ``CostModel`` to the calibrated prices. Pure: no I/O, no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+MIN_SPEC_SHARE = 0.2  # of a mixed request's calibrated time: below it, what its speculative steps took is noise
 
 
 @dataclass
@@ -134,6 +137,25 @@ class StepDrift:
             depth = self.depth(k)
             n = d.depth_steps[depth] = d.depth_steps.get(depth, 0) + 1
             d.by_depth[depth] = self._toward(d.by_depth.get(depth, 1.0), ratio, n)
+
+    def observe_mixed(self, steps: Sequence[int], measured_s: float, step_s: Callable[[int], float],
+                      batch: float = 1) -> None:
+        """A co-located request whose decode steps ran at several K (adaptive K: ``steps[k]`` of them at K=k,
+        index 0 plain) and took ``measured_s`` in all, one step of K priced ``step_s(k)`` by the calibration.
+        Its plain steps are priced with plain's factor and the rest of the time teaches the speculative
+        steps, as one observation at its most frequent K. Unless they are under ``MIN_SPEC_SHARE`` of its
+        calibrated time: what is left would then be mostly the noise of its plain steps. Why: served auto
+        requests that adaptive K moved between K=0 and K>0 taught nothing, only requests of one K did: on
+        the tiny family at batch 8, of ~190 auto requests in the co-located pool 8 taught the drift
+        (BENCHMARKS.md, "What the replica declined")."""
+        plain_s = steps[0] * step_s(0) if steps else 0.0
+        spec = {k: n for k, n in enumerate(steps) if k and n}
+        spec_s = sum(n * step_s(k) for k, n in spec.items())
+        if not spec or spec_s < MIN_SPEC_SHARE * (plain_s + spec_s):
+            return
+        d = self.buckets.get(self.bucket(batch))
+        plain_factor = d.plain if d is not None else 1.0
+        self.observe(max(spec, key=spec.get), measured_s - plain_factor * plain_s, spec_s, batch)
 
     def _toward(self, factor: float, ratio: float, n: int) -> float:
         """A factor after its n-th observation: the plain mean of the first 1 / weight, a moving average after."""

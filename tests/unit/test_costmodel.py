@@ -411,6 +411,22 @@ def test_drift_prices_each_draft_depth_by_its_own_steps():
     assert cm.spec_step_time(1, 1) == pytest.approx(cm.calibrated_step_time(1, 1))
 
 
+def test_a_request_of_several_k_teaches_what_its_speculative_steps_took():
+    """Plain steps run 1.2x their price. A request ran 10 plain steps (price 1.0 each) and 5 K=4 and 1
+    K=2 steps (2.0 and 1.5): of its 34.8 s, 12 were its plain steps at plain's factor, so its speculative
+    ones ran 1.2 * 1.5x theirs, learnt at K=4's depth. One whose speculative steps are under a fifth of
+    its priced time teaches nothing."""
+    drift = StepDrift()
+    for _ in range(30):
+        drift.observe(0, 1.2, 1.0)
+    price = {0: 1.0, 2: 1.5, 4: 2.0}.__getitem__
+    for _ in range(30):
+        drift.observe_mixed([10, 0, 1, 0, 5], 12.0 + 1.2 * 1.5 * 11.5, price)
+    assert drift.factor(4) == pytest.approx(1.8) and drift.buckets[0].depth_steps == {4: 30}
+    drift.observe_mixed([40, 0, 0, 0, 1], 100.0, price)
+    assert drift.buckets[0].spec_steps == 30
+
+
 def test_a_phase_of_the_host_moves_every_kind_of_step_with_plain():
     """Plain and K=2 steps both ran 1.2x their price (a slow phase), then a fast phase ran only plain
     steps, at 0.9x: speculation is priced 0.9x too, as it would have run, not 1.2x from minutes before."""

@@ -140,6 +140,21 @@ def test_on_shared_cores_cost_probes_run_only_where_they_would_decode_alone():
     assert len(probes) == 4 and all(r.pool == "plain" for r in probes)
 
 
+def test_on_shared_cores_no_cost_probe_joins_an_idle_load_that_others_will_join():
+    """A burst joins an idle load: its first request sees no rows beside it, but the router has learnt
+    that seven more join such a request while it decodes; a probe sent elsewhere would decode beside them
+    and teach nothing, so none runs, burst after burst; once the bursts are over, the probes run again."""
+    now = [0.0]
+    st = _state(now)
+    st.shared_compute = True
+    for _ in range(10):
+        st.learn("plain", 1, CLS, RequestStats(plain_steps=9), 0.0, migrated=False, whole_load=(1, 8.0))
+    assert st.joining("plain", 1) > 6
+    assert not any(_request(st).probe for _ in range(20))
+    now[0] += 300.0  # the lesson of the bursts has faded
+    assert sum(_request(st).probe for _ in range(20)) == 4
+
+
 def test_topology_probes_let_served_rounds_rank_the_topologies():
     """The calibration prices co-located a little ahead of separate (1.52x against 1.45x). While
     served separate rounds at batch 1 are unmeasured, a share of the auto requests that would go

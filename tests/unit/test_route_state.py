@@ -189,7 +189,6 @@ def test_served_step_times_correct_the_routing():
     assert spec.plain_steps == 2 and spec.mean_acceptance_length == 3.0
     for _ in range(30):
         st.observe_timing("separate", batch, spec, 1.0)  # hops: not a step-cost drift
-        st.observe_timing("colocated", batch, _served_stats(k=4, decode_steps=10, plain_decode=5), 1.0)  # K changed
     assert route(loads, state=st).pool == "plain"
     for _ in range(30):
         st.observe_timing("plain", batch, plain, 2.5 * cm.calibrated_step_time(batch, 0))
@@ -198,6 +197,52 @@ def test_served_step_times_correct_the_routing():
     assert (r.pool, r.decision.regime) == ("colocated", "favorable") and r.decision.predicted_speedup > 1.2
     st.set_costs(synthetic_costs(), "recalibrated")  # new costs: what was learnt is dropped
     assert route(loads, state=st).pool == "plain"
+
+
+def test_auto_requests_that_adaptive_k_moved_between_k_teach_the_served_drift():
+    """Served auto requests in the co-located pool ran most of their steps plain (adaptive K went to
+    K=0) and their K=3 steps took 1.6x their calibrated time: the router learns that from their steps of
+    each K, the plain ones priced with plain's measured factor, and stops sending the class there."""
+    st = _state(costs=synthetic_costs())
+    idle = {"plain": PoolLoad(), "colocated": PoolLoad()}
+    first = route(idle, state=st)
+    assert (first.pool, first.decision.k) == ("colocated", 3) and first.decision.predicted_speedup > 1.3
+    cm = st.cost_model()
+    mixed = _served_stats(k=3, decode_steps=10, plain_decode=30)  # 10 K=3 steps accepting 2 each, 30 plain
+    measured = 30 * 1.1 * cm.calibrated_step_time(1, 0) + 10 * 1.1 * 1.6 * cm.calibrated_step_time(1, 3)
+    for _ in range(30):
+        st.observe_timing("plain", 1, _served_stats(k=0, decode_steps=40), 1.1 * cm.calibrated_step_time(1, 0))
+        st.observe_timing("colocated", 1, mixed, measured / (30 + 10 + 20))
+    drift = st.regimes(idle)["costs"]["drift"][0]
+    assert drift["spec_steps"] == 30 and drift["spec"] == pytest.approx(1.6)
+    after = route(idle, state=st)
+    assert after.pool == "plain", after.decision
+
+
+def test_a_pool_whose_adaptive_k_ran_a_class_plain_is_not_sent_more_of_it_until_the_lesson_fades():
+    """The router prices K=3 in the co-located pool at 1.38x, but that pool's adaptive K ran 88% of the
+    steps of the greedy auto requests sent there plain (its measured speculative steps lost to its plain
+    ones): the class goes to the plain pool, saying why, while another class and fixed-K requests still
+    go there; two minutes later the lesson has faded and the class is offered speculation again."""
+    now = [0.0]
+    st = _state(costs=synthetic_costs(), clock=lambda: now[0])
+    idle = {"plain": PoolLoad(), "colocated": PoolLoad()}
+    assert route(idle, state=st).pool == "colocated"
+    declined = _served_stats(k=3, decode_steps=4, plain_decode=30)
+    for _ in range(5):
+        st.learn("colocated", 1, TrafficClass.of("d", 0.0), declined, 0.0, migrated=False)  # fixed K: no verdict
+    assert route(idle, state=st).pool == "colocated"
+    for _ in range(5):
+        st.learn("colocated", 1, TrafficClass.of("d", 0.0), declined, 0.0, migrated=False, adaptive=True)
+    assert st.declined("colocated", 1, TrafficClass.of("d", 0.0)) == pytest.approx(0.88 * (1 - 0.8 ** 5), abs=0.01)
+    r = route(idle, state=st)
+    assert r.pool == "plain" and "adaptive K ran such requests plain" in r.decision.reason, r.decision
+    (lesson,) = st.regimes(idle)["declined"]
+    assert (lesson["pool"], lesson["batch_bucket"], lesson["class"]["temperature_bucket"]) == ("colocated", 0, "greedy")
+    assert route(idle, state=st, temperature=1.0).pool == "colocated"
+    assert route(idle, state=st, mode="speculative").pool == "colocated"
+    now[0] += 120.0
+    assert route(idle, state=st).pool == "colocated"
 
 
 def test_a_budgeted_pool_is_routed_on_what_its_planner_will_do():

@@ -118,6 +118,7 @@ def test_regimes_endpoint(client):
     assert isinstance(m["costs"]["drift"], dict)
     assert set(m["pools"]) == {"plain", "colocated", "separate"}
     assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity", "joining", "beside", "probing"}
+    assert isinstance(m["declined"], list)  # what the pools' adaptive K ran plain, by pool, batch and class
     assert m["shared_compute"] == server_shares_cores()
     assert all(isinstance(p["joining"], float) for p in m["pools"].values())  # rows seen joining while decoding
     classes = {(c["temperature_bucket"], c["domain"]): c for c in m["classes"]}
