@@ -293,7 +293,7 @@ class RouteState:
         """An auto request routed to speculation finished: the share of its decode steps its pool's adaptive K
         ran plain. The engine chose them from its measured step times (the regret guard: speculative steps
         against its own plain ones, on the cores as they are now), which the router's prices only model:
-        on the tiny family at batch 8 the router priced K=2-3 at 1.07-1.13x plain, its requests ran 70-91%
+        on the tiny family at batch 8 the router priced K=2-3 at 1.07-1.15x plain, its requests ran 63-91%
         of their steps plain there, and measured 0.84-0.95x of the plain pool."""
         plain_decode = max(0, stats.plain_steps - 1)  # the prefill's pass is one of its plain steps
         steps = plain_decode + stats.verify_steps
