@@ -379,7 +379,7 @@ class RouteState:
             steps = [plain_decode, *stats.proposal_lengths[1:]]
             decode_tokens = plain_decode + verify + stats.accepted
             self.drift.observe_mixed(steps, seconds_per_token * decode_tokens,
-                                     lambda k: model.calibrated_step_time(batch, k), batch)
+                                     lambda step_k: model.calibrated_step_time(batch, step_k), batch)
             return
         measured = seconds_per_token * (stats.mean_acceptance_length if verify else 1.0)
         self.drift.observe(k, measured, model.calibrated_step_time(batch, k), batch)
