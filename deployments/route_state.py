@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from autoscaling.exploration import Exploration
+from autoscaling.fading import FadingMeans
 from autoscaling.probes import scheduled_probe
 from autoscaling.routing import (
     PLAIN_POOL,
@@ -138,9 +139,8 @@ class RouteState:
         # the pools' engines share their cores (AppConfig.pools_share_compute_on): priced at the whole load
         self.shared_compute = shared_compute
         self._separate_adaptive: AdaptiveK | None = None
-        # (pool, joined-batch bucket) -> (rows that joined while its requests decoded, when learnt)
-        self._joining: dict[tuple[str, int], tuple[float, float]] = {}
-        self._declined: dict[tuple[str, int, TrafficClass], tuple[float, float]] = {}
+        self._joining = FadingMeans(JOINING_WEIGHT, JOINING_HALF_LIFE_S, clock)  # (pool, joined bucket) -> rows
+        self._declined = FadingMeans(DECLINED_WEIGHT, DECLINED_HALF_LIFE_S, clock)  # (pool, bucket, class) -> share
         self.set_costs(PRIOR_COSTS)
 
     @classmethod
@@ -272,22 +272,18 @@ class RouteState:
         decoded (negative: rows left), faded since it was learnt. On shared cores the rows are the whole
         load's, and so is the lesson: one for every pool, so that no pool looks emptier than another
         for where its requests happened to join."""
-        value, at = self._joining.get(self._joining_key(pool, joined), (0.0, 0.0))
-        return value * 0.5 ** ((self.clock() - at) / JOINING_HALF_LIFE_S)
+        return self._joining.get(self._joining_key(pool, joined))
 
     def _joining_key(self, pool: str, joined: int) -> tuple[str, int]:
         return ("whole" if self.shared_compute else pool), self.drift.bucket(joined)
 
     def _learn_joining(self, pool: str, joined: int, decoded: float) -> None:
-        value = self.joining(pool, joined)
-        self._joining[self._joining_key(pool, joined)] = (value + JOINING_WEIGHT * (decoded - joined - value),
-                                                          self.clock())
+        self._joining.update(self._joining_key(pool, joined), decoded - joined)
 
     def declined(self, pool: str, batch: float, cls: TrafficClass | None) -> float:
         """Share of their decode steps that ``pool``'s adaptive K ran plain for the recent auto requests of
         ``cls`` that decoded at a batch like ``batch`` (the whole load's, on shared cores), faded since."""
-        value, at = self._declined.get((pool, self.drift.bucket(batch), cls), (0.0, 0.0))
-        return value * 0.5 ** ((self.clock() - at) / DECLINED_HALF_LIFE_S)
+        return self._declined.get((pool, self.drift.bucket(batch), cls))
 
     def _learn_declined(self, pool: str, batch: float, cls: TrafficClass, stats: RequestStats) -> None:
         """An auto request routed to speculation finished: the share of its decode steps its pool's adaptive K
@@ -298,9 +294,7 @@ class RouteState:
         plain_decode = max(0, stats.plain_steps - 1)  # the prefill's pass is one of its plain steps
         steps = plain_decode + stats.verify_steps
         if steps:
-            value = self.declined(pool, batch, cls)
-            self._declined[(pool, self.drift.bucket(batch), cls)] = (
-                value + DECLINED_WEIGHT * (plain_decode / steps - value), self.clock())
+            self._declined.update((pool, self.drift.bucket(batch), cls), plain_decode / steps)
 
     def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
         """The drift bucket of ``batch`` and whether served steps of ``kind`` (a pool) are measured there."""

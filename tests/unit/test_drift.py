@@ -1,0 +1,121 @@
+"""StepDrift (specdec_core/drift.py): served or real steps against the calibration, learnt per batch bucket,
+kind of step and draft depth, and how CostModel prices with it."""
+
+import pytest
+from test_costmodel import leviathan_costs
+
+from specdec_core.costmodel import CostModel
+from specdec_core.drift import StepDrift
+
+
+def test_step_drift_moves_a_near_break_even_decision():
+    """Calibrated: K=1 edges out plain (8%). Real plain steps then run 20% cheaper than calibrated
+    while speculative steps match: the learnt drift makes plain the better choice at that batch,
+    and only there; a uniform slowdown of both changes nothing, nor does one side alone."""
+    drift = StepDrift()
+    cm = CostModel(leviathan_costs(0.2), drift=drift)
+    assert cm.best_k(1, 0.3, 4).k > 0
+    for _ in range(200):
+        drift.observe(0, 0.8, cm.calibrated_step_time(1, 0), batch=1)
+        drift.observe(1, cm.calibrated_step_time(1, 1), cm.calibrated_step_time(1, 1), batch=1)
+    assert drift.factor(0, 1) == pytest.approx(0.8, abs=0.01) and drift.factor(1, 1) == pytest.approx(1.0)
+    assert cm.best_k(1, 0.3, 4).k == 0
+    assert cm.best_k(16, 0.3, 4).k > 0  # another batch bucket: nothing learnt there
+    uniform = StepDrift()
+    one_sided = StepDrift()
+    for _ in range(200):
+        uniform.observe(0, 1.5, 1.0)
+        uniform.observe(2, 1.5, 1.0)
+        one_sided.observe(0, 0.8, 1.0)  # only plain steps seen: no evidence about speculation
+    assert CostModel(leviathan_costs(0.2), drift=uniform).best_k(1, 0.3, 4).k == cm.best_k(16, 0.3, 4).k
+    assert one_sided.factor(0) == one_sided.factor(3) == 1.0
+    foreign = StepDrift()
+    for _ in range(200):  # a calibration 10x off: another machine's, not drift
+        foreign.observe(0, 0.1, 1.0)
+        foreign.observe(2, 0.12, 1.0)
+    assert foreign.factor(0) == foreign.factor(2) == 1.0
+    warm_up = StepDrift()
+    for _ in range(30):  # a replica's cold start: stalls far off the calibration
+        warm_up.observe(0, 10.0, 1.0)
+        warm_up.observe(2, 10.0, 1.0)
+    for _ in range(200):  # then steady steps with a real drift
+        warm_up.observe(0, 0.8, 1.0)
+        warm_up.observe(2, 1.0, 1.0)
+    assert warm_up.factor(0) == pytest.approx(0.8, abs=0.01) and warm_up.factor(2) == pytest.approx(1.0, abs=0.01)
+
+
+
+def test_drift_prices_each_draft_depth_by_its_own_steps():
+    """K=1 steps ran as calibrated, K=4 steps 1.4x their price: each depth prices with its own factor
+    (K=3 with K=4's: one bucket), a depth not yet measured (K=2) with all co-located steps' factor, and a
+    depth seen fewer than ``min_steps`` times too."""
+    drift = StepDrift()
+    for _ in range(30):
+        drift.observe(0, 1.0, 1.0)
+        drift.observe(1, 1.0, 1.0)
+        drift.observe(4, 1.4, 1.0)
+    for _ in range(5):
+        drift.observe(8, 1.9, 1.0)
+    assert drift.factor(1) == pytest.approx(1.0) and drift.factor(0) == pytest.approx(1.0)
+    assert drift.factor(4) == pytest.approx(1.4) and drift.factor(3) == pytest.approx(1.4)
+    mixed = drift.buckets[0].spec
+    assert 1.0 < mixed < 1.4
+    assert drift.factor(2) == drift.factor(8) == mixed
+    assert drift.factor(4, topology="separate") == mixed  # the separate rounds: not measured, the co-located kind
+    costs = leviathan_costs(0.1)
+    cm = CostModel(costs, drift=drift)
+    assert cm.ragged_step_time(1, [3]) == pytest.approx(1.4 * cm.ragged_step_time(1, [3], calibrated=True))
+    assert cm.spec_step_time(1, 1) == pytest.approx(cm.calibrated_step_time(1, 1))
+
+
+def test_a_request_of_several_k_teaches_what_its_speculative_steps_took():
+    """Plain steps run 1.2x their price. A request ran 10 plain steps (price 1.0 each) and 5 K=4 and 1
+    K=2 steps (2.0 and 1.5): of its 34.8 s, 12 were its plain steps at plain's factor, so its speculative
+    ones ran 1.2 * 1.5x theirs, learnt at K=4's depth. One whose speculative steps are under a fifth of
+    its priced time teaches nothing."""
+    drift = StepDrift()
+    for _ in range(30):
+        drift.observe(0, 1.2, 1.0)
+    price = {0: 1.0, 2: 1.5, 4: 2.0}.__getitem__
+    for _ in range(30):
+        drift.observe_mixed([10, 0, 1, 0, 5], 12.0 + 1.2 * 1.5 * 11.5, price)
+    assert drift.factor(4) == pytest.approx(1.8) and drift.buckets[0].depth_steps == {4: 30}
+    drift.observe_mixed([40, 0, 0, 0, 1], 100.0, price)
+    assert drift.buckets[0].spec_steps == 30
+
+
+def test_a_phase_of_the_host_moves_every_kind_of_step_with_plain():
+    """Plain and K=2 steps both ran 1.2x their price (a slow phase), then a fast phase ran only plain
+    steps, at 0.9x: speculation is priced 0.9x too, as it would have run, not 1.2x from minutes before."""
+    drift = StepDrift()
+    cm = CostModel(leviathan_costs(0.2), drift=drift)
+    for _ in range(40):
+        drift.observe(0, 1.2, 1.0)
+        drift.observe(2, 1.2, 1.0)
+    assert drift.factor(0) == pytest.approx(1.2) and drift.factor(2) == pytest.approx(1.2)
+    for _ in range(200):
+        drift.observe(0, 0.9, 1.0)
+    assert drift.factor(0) == pytest.approx(0.9, abs=0.01) and drift.factor(2) == pytest.approx(0.9, abs=0.01)
+    assert cm.spec_step_time(1, 2) / cm.plain_time_per_token(1) == pytest.approx(
+        cm.calibrated_step_time(1, 2) / cm.calibrated_step_time(1, 0), rel=0.01)
+
+
+def test_drift_is_learnt_per_topology():
+    """Separate rounds measured 0.7x their calibrated price, co-located steps as calibrated: the
+    separate topology's price drops and only its; before co-located steps are measured, both
+    speculative kinds take the one measured factor; plain steps alone change nothing."""
+    drift = StepDrift()
+    cm = CostModel(leviathan_costs(0.2), drift=drift)
+    for _ in range(30):
+        drift.observe(0, 1.0, 1.0, batch=1)
+    assert drift.factor(2, 1, "separate") == drift.factor(2, 1) == 1.0  # one side alone: no evidence
+    for _ in range(30):
+        drift.observe(2, 0.7, 1.0, batch=1, topology="separate")
+    assert drift.measured(1, "separate") and not drift.measured(1, "colocated")
+    assert drift.factor(2, 1, "separate") == pytest.approx(0.7) and drift.factor(2, 1) == pytest.approx(0.7)
+    for _ in range(30):
+        drift.observe(2, 1.0, 1.0, batch=1)
+    assert drift.factor(2, 1, "separate") == pytest.approx(0.7) and drift.factor(2, 1) == pytest.approx(1.0)
+    assert drift.factor(0, 1) == pytest.approx(1.0)
+    assert cm.spec_step_time(1, 2, "separate") == pytest.approx(0.7 * cm.calibrated_step_time(1, 2, "separate"))
+    assert cm.spec_step_time(1, 2) == pytest.approx(cm.calibrated_step_time(1, 2))
