@@ -22,3 +22,6 @@ class FadingMeans:
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self._values)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._values

@@ -282,8 +282,18 @@ class RouteState:
 
     def declined(self, pool: str, batch: float, cls: TrafficClass | None) -> float:
         """Share of their decode steps that ``pool``'s adaptive K ran plain for the recent auto requests of
-        ``cls`` that decoded at a batch like ``batch`` (the whole load's, on shared cores), faded since."""
-        return self._declined.get((pool, self.drift.bucket(batch), cls))
+        ``cls`` that decoded at a batch like ``batch`` (the whole load's, on shared cores), faded since.
+
+        On shared cores a speculative pool without a lesson of its own there takes the other's: both run
+        their drafts and verifies on the same cores, so what one measured losing, the other's steps (the
+        same work, plus the separate topology's hops) would lose too. Without it, the separate pool was
+        the option left once co-located was declined, and took 12-17% of auto's requests (tiny family,
+        T=1, c=8-16) to learn its own lesson."""
+        bucket = self.drift.bucket(batch)
+        if (pool, bucket, cls) in self._declined or not self.shared_compute:
+            return self._declined.get((pool, bucket, cls))
+        return max((self._declined.get((other, bucket, cls)) for other in SPEC_TOPOLOGIES
+                    if (other, bucket, cls) in self._declined), default=0.0)
 
     def _learn_declined(self, pool: str, batch: float, cls: TrafficClass, stats: RequestStats) -> None:
         """An auto request routed to speculation finished: the share of its decode steps its pool's adaptive K

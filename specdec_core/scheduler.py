@@ -316,7 +316,8 @@ class Scheduler:
         for req, prop, n0 in zip(rows, proposals, before):
             if prop.token_ids and req.params.adaptive_k and req.k_state is not None:
                 plain_step = self.adaptive.plain_step_time(self._traffic_class(req), len(req.tokens), len(rows))
-                if req.regret.charge(step_s, len(req.output_ids) - n0, plain_step, len(req.output_ids)):
+                emitted = len(req.output_ids) - n0
+                if req.regret.charge(step_s, emitted, len(prop.token_ids), plain_step, len(req.output_ids)):
                     req.k_state = req.regret.trip(req.k_state)
 
     def _traffic_class(self, req: ScheduledRequest) -> TrafficClass:

@@ -245,6 +245,28 @@ def test_a_pool_whose_adaptive_k_ran_a_class_plain_is_not_sent_more_of_it_until_
     assert route(idle, state=st).pool == "colocated"
 
 
+def test_on_shared_cores_one_speculative_pools_decline_stands_for_the_other_until_it_has_its_own():
+    """The co-located pool's adaptive K ran the class plain. On cores of their own, the separate pool is
+    still offered (its draft runs elsewhere); on shared cores the same drafts and verifies would run on
+    the same cores, so the class goes plain, until the separate pool has a lesson of its own."""
+    cls = TrafficClass.of("d", 0.0)
+    pools = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
+    declined = _served_stats(k=3, decode_steps=4, plain_decode=30)
+    for shared in (False, True):
+        st = _state(costs=synthetic_costs(), shared_compute=shared)
+        for _ in range(5):
+            st.learn("colocated", 1, cls, declined, 0.0, migrated=False, adaptive=True)
+        r = route(pools, state=st)
+        if not shared:
+            assert r.pool == "separate", r.decision
+            continue
+        assert r.pool == "plain" and st.declined("separate", 1, cls) == st.declined("colocated", 1, cls), r.decision
+        assert route(pools, state=st, temperature=1.0).pool != "plain"  # another class: no lesson
+        for _ in range(5):  # a lesson of its own: its adaptive K kept speculating
+            st.learn("separate", 1, cls, _served_stats(k=2, decode_steps=20), 0.0, migrated=False, adaptive=True)
+        assert route(pools, state=st).pool == "separate"
+
+
 def test_a_budgeted_pool_is_routed_on_what_its_planner_will_do():
     """With budgeted verification the co-located replica plans every step for its batch (K per row,
     a 10% margin over a plain step): the router prices the pool with that plan, not with one K per
