@@ -284,16 +284,22 @@ class RouteState:
         """Share of their decode steps that ``pool``'s adaptive K ran plain for the recent auto requests of
         ``cls`` that decoded at a batch like ``batch`` (the whole load's, on shared cores), faded since.
 
-        On shared cores a speculative pool without a lesson of its own there takes the other's: both run
-        their drafts and verifies on the same cores, so what one measured losing, the other's steps (the
-        same work, plus the separate topology's hops) would lose too. Without it, the separate pool was
-        the option left once co-located was declined, and took 12-17% of auto's requests (tiny family,
-        T=1, c=8-16) to learn its own lesson."""
+        On shared cores both speculative pools run their drafts and verifies on the same cores, so what
+        one measured losing, the other's steps would lose too. A pool without a lesson of its own there
+        takes the other's; and the co-located pool's verdict binds the separate pool even where that has
+        its own: its rounds are the same forwards plus hops, and its overlap hides the draft behind the
+        verify only on a core that is free, which a load of several rows does not leave. Without the
+        first, the separate pool was the option left once co-located was declined and took 12-17% of
+        auto's requests (tiny family, T=1, c=8-16) to learn its own lesson; without the second, it kept
+        taking them on a lesson of 0.33 learnt beside the load (25% of auto's requests, T=0, c=8, where
+        co-located had declined 57% of its steps and auto measured 0.86x plain)."""
         bucket = self.drift.bucket(batch)
-        if (pool, bucket, cls) in self._declined or not self.shared_compute:
+        if not self.shared_compute:
             return self._declined.get((pool, bucket, cls))
-        return max((self._declined.get((other, bucket, cls)) for other in SPEC_TOPOLOGIES
-                    if (other, bucket, cls) in self._declined), default=0.0)
+        own = [self._declined.get((pool, bucket, cls))] if (pool, bucket, cls) in self._declined else []
+        binding = [other for other in SPEC_TOPOLOGIES if other != pool and (not own or pool == Pool.SEPARATE)]
+        return max(own + [self._declined.get((other, bucket, cls)) for other in binding
+                          if (other, bucket, cls) in self._declined], default=0.0)
 
     def _learn_declined(self, pool: str, batch: float, cls: TrafficClass, stats: RequestStats) -> None:
         """An auto request routed to speculation finished: the share of its decode steps its pool's adaptive K

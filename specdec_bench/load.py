@@ -149,6 +149,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         "routed_k": spec.get("num_speculative_tokens", 0),
         "route": spec.get("topology") or spec.get("mode"),
         "regime": spec.get("regime"),
+        "route_reason": spec.get("route_reason"),
         # the router's predicted speedup over plain decoding for the route it chose (plain: 1)
         "predicted": spec.get("predicted_speedup") or 1.0,
         "migrations": spec.get("migrations", 0),
@@ -242,6 +243,8 @@ def summarize(results: list[dict], wall: float) -> dict:
         "routed_k": {k: sum(1 for r in ok if r.get("routed_k") == k) for k in {r.get("routed_k") for r in ok}},
         "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
         "regimes": {g: sum(1 for r in ok if r["regime"] == g) for g in {r["regime"] for r in ok}},
+        # each request's route and the router's reason, in the order they finished: why auto went where it did
+        "decisions": [[r["route"], r.get("routed_k"), r.get("route_reason")] for r in ok],
         **({"by_profile": by_profile(ok)} if len({r.get("profile") for r in ok}) > 1 else {}),
     }
 

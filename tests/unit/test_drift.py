@@ -61,7 +61,8 @@ def test_drift_prices_each_draft_depth_by_its_own_steps():
     mixed = drift.buckets[0].spec
     assert 1.0 < mixed < 1.4
     assert drift.factor(2) == drift.factor(8) == mixed
-    assert drift.factor(4, topology="separate") == mixed  # the separate rounds: not measured, the co-located kind
+    # the separate rounds, not measured: the co-located steps of their depth
+    assert drift.factor(4, topology="separate") == drift.factor(4) and drift.factor(1, topology="separate") == 1.0
     costs = leviathan_costs(0.1)
     cm = CostModel(costs, drift=drift)
     assert cm.ragged_step_time(1, [3]) == pytest.approx(1.4 * cm.ragged_step_time(1, [3], calibrated=True))

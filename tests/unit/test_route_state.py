@@ -245,10 +245,10 @@ def test_a_pool_whose_adaptive_k_ran_a_class_plain_is_not_sent_more_of_it_until_
     assert route(idle, state=st).pool == "colocated"
 
 
-def test_on_shared_cores_one_speculative_pools_decline_stands_for_the_other_until_it_has_its_own():
+def test_on_shared_cores_a_pools_decline_stands_for_the_other_and_co_located_binds_separate():
     """The co-located pool's adaptive K ran the class plain. On cores of their own, the separate pool is
     still offered (its draft runs elsewhere); on shared cores the same drafts and verifies would run on
-    the same cores, so the class goes plain, until the separate pool has a lesson of its own."""
+    the same cores, so the class goes plain, even once the separate pool has a lesson of its own."""
     cls = TrafficClass.of("d", 0.0)
     pools = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
     declined = _served_stats(k=3, decode_steps=4, plain_decode=30)
@@ -262,9 +262,17 @@ def test_on_shared_cores_one_speculative_pools_decline_stands_for_the_other_unti
             continue
         assert r.pool == "plain" and st.declined("separate", 1, cls) == st.declined("colocated", 1, cls), r.decision
         assert route(pools, state=st, temperature=1.0).pool != "plain"  # another class: no lesson
-        for _ in range(5):  # a lesson of its own: its adaptive K kept speculating
+        for _ in range(5):  # a lesson of its own, that its adaptive K kept speculating, does not lift it:
             st.learn("separate", 1, cls, _served_stats(k=2, decode_steps=20), 0.0, migrated=False, adaptive=True)
-        assert route(pools, state=st).pool == "separate"
+        assert route(pools, state=st).pool == "plain"  # its rounds are the co-located pool's forwards plus hops
+        other = TrafficClass.of("d", 1.0)
+        for _ in range(5):  # the other way round, the separate pool's verdict stands only while co-located has none
+            st.learn("separate", 1, other, declined, 0.0, migrated=False, adaptive=True)
+        assert st.declined("colocated", 1, other) == st.declined("separate", 1, other) >= 0.5
+        for _ in range(5):
+            st.learn("colocated", 1, other, _served_stats(k=2, decode_steps=20), 0.0, migrated=False, adaptive=True)
+        assert st.declined("colocated", 1, other) < 0.5 <= st.declined("separate", 1, other)
+        assert route(pools, state=st, temperature=1.0).pool == "colocated"
 
 
 def test_a_budgeted_pool_is_routed_on_what_its_planner_will_do():
