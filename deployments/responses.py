@@ -35,6 +35,7 @@ def speculation(run: Execution, stats: RequestStats, costs_source: str) -> dict:
         "mean_acceptance_length": stats.mean_acceptance_length,
         "verify_steps": stats.verify_steps,
         "plain_steps": stats.plain_steps,  # decode steps without draft tokens (adaptive K = 0)
+        "plain_steps_by_cause": dict(stats.plain_by_cause),  # an auto request's K=0 decode steps, by what set K to 0
         # draft tokens per decode step: what adaptive K or a budgeted plan gave this request; accepted
         # per proposed is what each bought
         "mean_k": stats.proposed / max(1, stats.decode_steps),

@@ -22,6 +22,7 @@ reports its profiles' latencies and acceptance on their own (``by_profile``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
 import statistics
@@ -146,6 +147,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         "proposed": spec.get("proposed_tokens", 0),
         "verify_steps": spec.get("verify_steps", 0),
         "plain_steps": spec.get("plain_steps", 0),
+        "plain_by_cause": spec.get("plain_steps_by_cause") or {},
         "routed_k": spec.get("num_speculative_tokens", 0),
         "route": spec.get("topology") or spec.get("mode"),
         "regime": spec.get("regime"),
@@ -239,6 +241,9 @@ def summarize(results: list[dict], wall: float) -> dict:
         # K as it ran: draft tokens per speculative step, and the share of decode steps at K=0
         "mean_k": proposed / verify if verify else 0.0,
         "plain_step_share": plain / (verify + plain) if verify + plain else 0.0,
+        # of auto's K=0 decode steps in speculative pools: what set K to 0 (``RequestStats.plain_by_cause``)
+        "plain_step_causes": dict(sum((collections.Counter(r.get("plain_by_cause") or {}) for r in ok),
+                                      collections.Counter())),
         "predicted_speedup": predicted_speedup(ok),
         "routed_k": {k: sum(1 for r in ok if r.get("routed_k") == k) for k in {r.get("routed_k") for r in ok}},
         "routes": {route: sum(1 for r in ok if r["route"] == route) for route in {r["route"] for r in ok}},
@@ -328,7 +333,8 @@ def run_serve(args) -> dict:
                        f"{p['median_ttft_ms']:.0f}/{p['p99_ttft_ms']:.0f} ms  TPOT p50/p99 "
                        f"{p['median_tpot_ms']:.1f}/{p['p99_tpot_ms']:.1f} ms  "
                        f"x{p.get('vs_best_explicit', 0):.2f} of the best explicit  mean K {p['mean_k']:.2f}  "
-                       f"K=0 steps {p['plain_step_share']:.0%}  vs plain predicted {p['predicted_speedup']:.2f} "
+                       f"K=0 steps {p['plain_step_share']:.0%} {p['plain_step_causes'] or ''}  "
+                       f"vs plain predicted {p['predicted_speedup']:.2f} "
                        f"measured {p.get('vs_plain', float('nan')):.2f}  routed K {p['routed_k']}  "
                        f"routes {p['routes']}  "
                        f"regimes {p['regimes']}  errors {p['errors']}")

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec_core.acceptance import ProposalCoverage, TrafficClass
-from specdec_core.adaptive import AdaptiveK, KState, Regret
+from specdec_core.adaptive import AdaptiveK, KState, Phase, Regret
 from specdec_core.proposers import Proposal
 from specdec_core.request import RequestOutput, RequestState
 from specdec_core.stats import StepTiming
@@ -167,19 +167,38 @@ class Scheduler:
         self.budget = None  # set again only by a budgeted plan of these rows
         if self.adaptive is not None and self.adaptive.budgeted:
             return self._budgeted_ks(rows)
-        ks = [self._choose_k(r, batch) for r in rows]
-        if self.adaptive is None or not any(ks):
-            return ks
+        chosen = [self._choose_k(r, batch) for r in rows]
+        if self.adaptive is None:
+            return chosen
         adaptive = [r.params.adaptive_k and r.carried is None for r in rows]
-        if batch > 1:
+        ks = chosen
+        if batch > 1 and any(ks):
             ks = self.adaptive.unless_batch_loses(
                 ks, adaptive, [self._traffic_class(r) for r in rows],
                 [(r.stats.accepted, sum(r.stats.proposed_per_position), r.params.class_acceptance) for r in rows],
                 max(len(r.tokens) for r in rows),
             )
+        batch_ks = ks
         if any(ks) and all(on for on, k in zip(adaptive, ks) if k) and self.adaptive.reference_due(batch):
-            return [0] * batch  # the regret guard's reference step (adaptive.py): measured plain, once
+            ks = [0] * batch  # the regret guard's reference step (adaptive.py): measured plain, once
+        self._count_plain_causes(rows, adaptive, chosen, batch_ks, ks)
         return ks
+
+    def _count_plain_causes(self, rows: list[ScheduledRequest], adaptive: list[bool], chosen: list[int],
+                            batch_ks: list[int], ks: list[int]) -> None:
+        """What set each adaptive row's K to 0 this step (``RequestStats.plain_by_cause``): its own price,
+        the batch's, the regret guard's reference step, or its guard having stopped it. The replica's
+        decline is what the router learns (``RouteState.declined``); this says which part of it declined."""
+        for req, on, first, after_batch, k in zip(rows, adaptive, chosen, batch_ks, ks):
+            if not on or k or req.params.num_speculative_tokens == 0:
+                continue
+            if self.clock() < req.draft_retry_at:
+                cause = "draft"
+            elif req.k_state is not None and req.k_state.phase is Phase.STOPPED:
+                cause = "stopped"
+            else:
+                cause = "priced" if not first else "batch" if not after_batch else "reference"
+            req.stats.plain_by_cause[cause] = req.stats.plain_by_cause.get(cause, 0) + 1
 
     def _budgeted_ks(self, rows: list[ScheduledRequest]) -> list[int]:
         """Every adaptive row's K from one plan for the batch (``AdaptiveK.plan_budget``); the other

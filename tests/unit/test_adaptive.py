@@ -93,6 +93,10 @@ def test_regret_guard_stops_speculation_that_measures_slower_than_plain(tiny_mod
     assert [o.token_ids for o in outs] == plain_reference
     for o in outs:
         assert 1 <= o.stats.verify_steps <= 4 and o.stats.plain_steps > 25, o.stats
+        # its plain decode steps say why: the guard stopped it (the costs priced every step as a win)
+        causes = o.stats.plain_by_cause
+        assert causes.get("stopped", 0) > 25 and not causes.get("priced") and not causes.get("batch"), causes
+        assert sum(causes.values()) == o.stats.plain_steps - 1, (causes, o.stats)  # all but the prefill's pass
 
 
 def test_regret_charges_speculative_steps_against_plain_ones():
@@ -174,6 +178,9 @@ def test_auto_drops_to_plain_when_acceptance_collapses(tiny_models, plain_refere
         assert o.stats.proposed_per_position[0] >= 1
         assert o.stats.proposed / o.stats.verify_steps <= 2
         assert o.stats.plain_steps > o.stats.verify_steps
+        # each plain decode step has its cause: the row's price, the batch's, the guard (no draft failed)
+        causes = o.stats.plain_by_cause
+        assert sum(causes.values()) == o.stats.plain_steps - 1 and "draft" not in causes, causes
 
 
 def test_adaptive_k_is_plain_at_large_batch_for_moderate_acceptance():

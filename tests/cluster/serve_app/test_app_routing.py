@@ -61,6 +61,9 @@ def test_auto_adaptive_k_drops_to_plain_inside_replica(client):
     assert not fixed["adaptive_k"] and fixed["num_speculative_tokens"] == 4
     assert auto["acceptance_rate"] < 0.5  # the premise: this draft disagrees with the target
     assert auto["plain_steps"] > fixed["plain_steps"] + 20, (auto, fixed)
+    # and says what set its K to 0 (its price or its regret guard), step for step; a fixed K has none
+    assert sum(auto["plain_steps_by_cause"].values()) == auto["plain_steps"] - 1, auto
+    assert not fixed["plain_steps_by_cause"], fixed
 
 
 def test_auto_burst_goes_plain_in_large_batch_regime(server):
