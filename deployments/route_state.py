@@ -32,13 +32,11 @@ from autoscaling.routing import (
     RoutingDecision,
     RoutingError,
     RoutingThresholds,
-    break_even_batch,
-    price,
     route,
 )
 from autoscaling.traffic_classes import DomainTable
 from deployments.config import AppConfig, model_label
-from specdec_core.acceptance import TEMPERATURE_BUCKETS, AcceptanceTracker, TrafficClass
+from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts
@@ -74,8 +72,6 @@ DECLINED_HALF_LIFE_S = 60.0
 # On shared cores, a request teaches the served drift only where other pools held at most this share of the rows
 # while it ran (``RouteState._ran_alone``).
 ALONE_SHARE = 0.1
-# A representative temperature per bucket, for the /v1/regimes choice of a class.
-BUCKET_TEMPERATURE = {"greedy": 0.0, "low": 0.3, "mid": 0.8, "high": 1.5}
 
 
 def objective_of(requested: str | None, service_tier: str | None) -> str:
@@ -293,13 +289,11 @@ class RouteState:
         auto's requests (tiny family, T=1, c=8-16) to learn its own lesson; without the second, it kept
         taking them on a lesson of 0.33 learnt beside the load (25% of auto's requests, T=0, c=8, where
         co-located had declined 57% of its steps and auto measured 0.86x plain)."""
-        bucket = self.drift.bucket(batch)
-        if not self.shared_compute:
-            return self._declined.get((pool, bucket, cls))
-        own = [self._declined.get((pool, bucket, cls))] if (pool, bucket, cls) in self._declined else []
-        binding = [other for other in SPEC_TOPOLOGIES if other != pool and (not own or pool == Pool.SEPARATE)]
-        return max(own + [self._declined.get((other, bucket, cls)) for other in binding
-                          if (other, bucket, cls) in self._declined], default=0.0)
+        lessons = {p: self._declined.get(key) for p in SPEC_TOPOLOGIES
+                   if (key := (p, self.drift.bucket(batch), cls)) in self._declined}
+        if not self.shared_compute or pool in lessons and pool != Pool.SEPARATE:
+            return lessons.get(pool, 0.0)
+        return max(lessons.values(), default=0.0)
 
     def _learn_declined(self, pool: str, batch: float, cls: TrafficClass, stats: RequestStats) -> None:
         """An auto request routed to speculation finished: the share of its decode steps its pool's adaptive K
@@ -401,69 +395,8 @@ class RouteState:
             return None
         return self.cost_model().plain_time_per_token(batch) / seconds_per_token
 
-    # ---- the live map ----------------------------------------------------------------------------
-    def _context_axis(self, cls: TrafficClass, a: float) -> list[dict]:
-        """The class's regime along the context: at each context (powers of two up to the limit), the
-        best K at batch 1, its predicted speedup, and the batch from which it stops paying (None: never
-        in the calibrated range; 1: not even at batch 1)."""
-        axis = []
-        context = 128
-        while context < self.context_limit:
-            axis.append({"context": context, **self._batch1(self.view.model_for(cls, context), a)})
-            context *= 2
-        return axis
-
-    def _batch1(self, cm: CostModel, a: float) -> dict:
-        """The co-located pool's best speculation at batch 1, and the batch from which it stops paying (None:
-        never in the calibrated range; 1: not even at batch 1), priced as routing prices it."""
-        budgeted = Pool.COLOCATED in self.budgeted
-        best = price(cm, Pool.COLOCATED, 1, a, self.k_max, budgeted)
-        return {"best_k_batch1": best.k, "predicted_speedup_batch1": best.predicted_speedup,
-                "break_even_batch": break_even_batch(cm, Pool.COLOCATED, a, best.k, self.k_max, budgeted)
-                if best.k > 0 else 1}
-
-    def regimes(self, loads: Mapping[str, PoolLoad]) -> dict:
-        """Per traffic class: acceptance estimate and evidence, cost ratio c at batch 1, break-even
-        batch, and the choice for a batch-1 latency request of the class; plus the pool loads."""
-        snap = self.tracker.snapshot()
-        classes = {(c["draft"], c["temperature_bucket"], c["domain"]): c for c in snap["classes"]}
-        greedy = (self.draft_name, "greedy", "default")
-        classes.setdefault(greedy, {"draft": greedy[0], "temperature_bucket": "greedy", "domain": "default",
-                                    "acceptance": self.tracker.estimate(TrafficClass(*greedy)), "evidence": 0.0,
-                                    "steps": 0, "per_position": []})
-        idle = {p: dataclasses.replace(load, active=0, queued=0) for p, load in loads.items()}
-        out = []
-        for key in sorted(classes, key=lambda k: (k[0], TEMPERATURE_BUCKETS.index(k[1]), k[2])):
-            c = dict(classes[key])
-            cls = TrafficClass(*key)
-            cm = self.view.model_for(cls)
-            a = c["acceptance"]
-            feats = RequestFeatures(temperature=BUCKET_TEMPERATURE[cls.temperature_bucket], max_tokens=256,
-                                    traffic_class=cls)
-            choice = route(self.context(feats, idle)) if idle else None
-            c.update({
-                "cost_ratio_batch1": cm.cost_ratio(1),
-                **self._batch1(cm, a),
-                "by_context": self._context_axis(cls, a),
-                "choice": None if choice is None else {
-                    "pool": choice.pool, "topology": choice.topology, "k": choice.k, "regime": choice.regime,
-                    "predicted_speedup": choice.predicted_speedup, "reason": choice.reason},
-            })
-            out.append(c)
-        return {
-            "draft": self.draft_name,
-            "costs": {"source": self.costs_source, "calibrated": self.calibrated,
-                      "hop_overhead_s": dict(self.costs.hop_overhead_s), "batches": list(self.costs.batches),
-                      # served / calibrated step time per batch bucket (log2), learnt from finished requests
-                      "drift": {b: dataclasses.asdict(d) for b, d in self.drift.buckets.items()}},
-            "k_max": self.k_max,
-            # (a pool's ``declined`` is per class: the list below)
-            "pools": {p: {k: v for k, v in dataclasses.asdict(load).items() if k != "declined"}
-                      for p, load in self.priced_loads(loads).items()},
-            # what the pools' adaptive K declined: share of steps run plain, by pool, batch bucket and class
-            "declined": [{"pool": pool, "batch_bucket": bucket, "class": dataclasses.asdict(cls) if cls else None,
-                          "share": share} for (pool, bucket, cls) in self._declined
-                         if (share := self.declined(pool, 2 ** bucket, cls)) >= 0.01],
-            "shared_compute": self.shared_compute,
-            "classes": out,
-        }
+    def declined_lessons(self) -> list[tuple[str, int, TrafficClass | None, float]]:
+        """What the pools' adaptive K declined, as routing reads it: (pool, batch bucket, class, share of
+        steps run plain), the lessons under 1% left out."""
+        return [(pool, bucket, cls, share) for (pool, bucket, cls) in self._declined
+                if (share := self.declined(pool, 2 ** bucket, cls)) >= 0.01]

@@ -32,6 +32,7 @@ from deployments.config import AppConfig
 from deployments.metrics import RouterMetrics
 from deployments.planning import Execution, Prompts, check_supported, plan_request
 from deployments.pools import Pools
+from deployments.regimes_map import regimes_map
 from deployments.route_state import RouteState
 from deployments.separate_loop import SeparateLoop
 from specdec_core.acceptance import AcceptanceTracker
@@ -97,7 +98,7 @@ class Router:
     async def regimes(self) -> dict:
         """The live regime map (README: "GET /v1/regimes")."""
         await self._ensure_costs()
-        return self.route_state.regimes(self.pools.loads())
+        return regimes_map(self.route_state, self.pools.loads())
 
     @app.get("/v1/stats")
     async def http_stats(self) -> dict:

@@ -189,10 +189,11 @@ class Scheduler:
         """What set each adaptive row's K to 0 this step (``RequestStats.plain_by_cause``): its own price,
         the batch's, the regret guard's reference step, or its guard having stopped it. The replica's
         decline is what the router learns (``RouteState.declined``); this says which part of it declined."""
+        now = self.clock()
         for req, on, first, after_batch, k in zip(rows, adaptive, chosen, batch_ks, ks):
             if not on or k or req.params.num_speculative_tokens == 0:
                 continue
-            if self.clock() < req.draft_retry_at:
+            if now < req.draft_retry_at:
                 cause = "draft"
             elif req.k_state is not None and req.k_state.phase is Phase.STOPPED:
                 cause = "stopped"

@@ -12,6 +12,7 @@ from served import CharTokenizer, synthetic_costs
 
 from autoscaling.routing import PoolLoad, RoutingError
 from autoscaling.traffic_classes import DomainTable
+from deployments.regimes_map import regimes_map
 from deployments.route_state import PRIOR_COSTS, RouteState, objective_of, with_hops
 from specdec_core import SamplingParams
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
@@ -130,7 +131,7 @@ def test_glue_observe_and_regimes_map():
     st.observe(cls, RequestStats())  # plain request: nothing
     assert st.tracker.evidence(cls) == pytest.approx(7)
     st.set_costs(synthetic_costs(), "calibrated:cpu")
-    m = st.regimes({"plain": PoolLoad(active=2), "colocated": PoolLoad(active=30)})
+    m = regimes_map(st, {"plain": PoolLoad(active=2), "colocated": PoolLoad(active=30)})
     assert m["costs"]["calibrated"] and m["pools"]["colocated"]["active"] == 30
     keys = [(c["temperature_bucket"], c["domain"]) for c in m["classes"]]
     assert keys == [("greedy", "code"), ("greedy", "default")]
@@ -143,7 +144,7 @@ def test_glue_observe_and_regimes_map():
     assert st.realised_speedup(1, 0.007) == pytest.approx(2.0)
     assert m["costs"]["drift"] == {}
     st.observe_timing("plain", 1, RequestStats(plain_steps=9), 1.2 * st.cost_model().plain_time_per_token(1))
-    drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+    drift = regimes_map(st, {"plain": PoolLoad()})["costs"]["drift"]
     assert drift[0]["plain_steps"] == 1 and drift[0]["plain"] > 1.0 and drift[0]["spec_steps"] == 0
 
 
@@ -152,7 +153,7 @@ def test_regimes_map_has_a_context_axis():
     (attention compute bound, as on this CPU) the batch-1 speedup falls with the context."""
     costs = dataclasses.replace(synthetic_costs(), context_slope_s=tuple(2e-6 * q for q in (1, 2, 3, 5, 9)))
     st = _state(a=0.9, costs=costs)
-    axis = st.regimes({"plain": PoolLoad(), "colocated": PoolLoad()})["classes"][0]["by_context"]
+    axis = regimes_map(st, {"plain": PoolLoad(), "colocated": PoolLoad()})["classes"][0]["by_context"]
     assert [e["context"] for e in axis] == [128, 256]  # below the context limit, 512
     assert axis[0]["predicted_speedup_batch1"] > axis[1]["predicted_speedup_batch1"] > 1
     assert all(e["break_even_batch"] is None or e["break_even_batch"] >= 1 for e in axis)
@@ -213,7 +214,7 @@ def test_auto_requests_that_adaptive_k_moved_between_k_teach_the_served_drift():
     for _ in range(30):
         st.observe_timing("plain", 1, _served_stats(k=0, decode_steps=40), 1.1 * cm.calibrated_step_time(1, 0))
         st.observe_timing("colocated", 1, mixed, measured / (30 + 10 + 20))
-    drift = st.regimes(idle)["costs"]["drift"][0]
+    drift = regimes_map(st, idle)["costs"]["drift"][0]
     assert drift["spec_steps"] == 30 and drift["spec"] == pytest.approx(1.6)
     after = route(idle, state=st)
     assert after.pool == "plain", after.decision
@@ -237,7 +238,7 @@ def test_a_pool_whose_adaptive_k_ran_a_class_plain_is_not_sent_more_of_it_until_
     assert st.declined("colocated", 1, TrafficClass.of("d", 0.0)) == pytest.approx(0.88 * (1 - 0.8 ** 5), abs=0.01)
     r = route(idle, state=st)
     assert r.pool == "plain" and "adaptive K ran such requests plain" in r.decision.reason, r.decision
-    (lesson,) = st.regimes(idle)["declined"]
+    (lesson,) = regimes_map(st, idle)["declined"]
     assert (lesson["pool"], lesson["batch_bucket"], lesson["class"]["temperature_bucket"]) == ("colocated", 0, "greedy")
     assert route(idle, state=st, temperature=1.0).pool == "colocated"
     assert route(idle, state=st, mode="speculative").pool == "colocated"
@@ -294,7 +295,7 @@ def test_a_budgeted_pool_is_routed_on_what_its_planner_will_do():
             assert budgeted.decision.predicted_speedup == pytest.approx(plan.predicted_speedup)
         differ += (per_request.pool, per_request.decision.k) != (budgeted.pool, budgeted.decision.k)
     assert differ  # the plan's pricing is not one K per request's
-    regimes = _state(costs=costs, budgeted=True).regimes({"plain": PoolLoad(), "colocated": PoolLoad()})
+    regimes = regimes_map(_state(costs=costs, budgeted=True), {"plain": PoolLoad(), "colocated": PoolLoad()})
     cls = regimes["classes"][0]
     plan1 = budgeted_choice(_state(costs=costs).cost_model(), 1, (cls["acceptance"],) * 8)
     assert (cls["best_k_batch1"], cls["predicted_speedup_batch1"]) == (plan1.k, pytest.approx(plan1.predicted_speedup))
@@ -309,7 +310,7 @@ def test_served_timing_is_learnt_at_the_batch_the_request_decoded_in():
     plain.decode_steps, plain.decode_batch_rows = 40, 40 * 8
     for _ in range(5):
         st.learn("plain", 1, TrafficClass.of("d", 0.0), plain, cm.calibrated_step_time(8, 0), migrated=False)
-    drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+    drift = regimes_map(st, {"plain": PoolLoad()})["costs"]["drift"]
     assert list(drift) == [3] and drift[3]["plain"] == pytest.approx(1.0), drift  # bucket of batch 8, as calibrated
 
 
@@ -329,7 +330,7 @@ def test_a_request_is_priced_at_the_batch_it_will_decode_in():
         st.learn("colocated", 1, TrafficClass.of("d", 0.0), burst, 0.0, migrated=False)
     assert st.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
     assert st.joining("colocated", 8) == 0.0  # learnt for requests that joined at batch 1
-    assert st.regimes(idle)["pools"]["colocated"]["joining"] == pytest.approx(st.joining("colocated", 1))
+    assert regimes_map(st, idle)["pools"]["colocated"]["joining"] == pytest.approx(st.joining("colocated", 1))
     r = route(idle, state=st)
     assert r.pool == "plain" and "batch 7" in r.decision.reason, r.decision  # priced where it would decode
     now[0] += 120.0  # four half-lives without a finished request: back to the batch it joins
@@ -384,7 +385,8 @@ def test_pools_on_shared_cores_are_priced_at_the_whole_load():
     assert own.pool == "colocated" and own.batch == 1, own.decision
     assert whole.pool == "plain" and whole.decision.regime == "large_batch" and "batch 7" in whole.decision.reason
     assert route({"plain": PoolLoad(), "colocated": PoolLoad()}, state=shared).pool == "colocated"  # idle: batch 1
-    assert shared.regimes(busy)["pools"]["colocated"]["beside"] == 6 and shared.regimes(busy)["shared_compute"]
+    live = regimes_map(shared, busy)
+    assert live["pools"]["colocated"]["beside"] == 6 and live["shared_compute"]
 
 
 def test_the_config_says_when_pools_share_their_compute():
@@ -441,7 +443,7 @@ def test_on_shared_cores_a_request_beside_another_pools_rows_teaches_no_drift():
         for _ in range(5):
             st.learn("plain", 6, TrafficClass.of("d", 0.0), plain_at(6), slow, migrated=False,
                      whole_load=(6, 8.0 if beside else 6.0))
-        drift = st.regimes({"plain": PoolLoad()})["costs"]["drift"]
+        drift = regimes_map(st, {"plain": PoolLoad()})["costs"]["drift"]
         assert (3 in drift) == learnt, (shared, beside, drift)
         if learnt:
             assert drift[3]["plain"] == pytest.approx(1.5) and drift[3]["plain_steps"] == 5

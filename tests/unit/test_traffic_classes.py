@@ -7,6 +7,7 @@ import pytest
 
 from autoscaling.routing import PoolLoad
 from autoscaling.traffic_classes import BUCKET_PREFIX, DEFAULT_DOMAIN, DomainTable
+from deployments.regimes_map import regimes_map
 from deployments.route_state import RouteState
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 
@@ -41,7 +42,7 @@ def test_six_hundred_users_give_a_bounded_regime_map():
         for i in range(600):
             cls = st.traffic_class(0.0, f"user-{i}")
             tracker.observe(cls, 4, 2)
-    domains = {c["domain"] for c in st.regimes({"plain": PoolLoad()})["classes"]}
+    domains = {c["domain"] for c in regimes_map(st, {"plain": PoolLoad()})["classes"]}
     assert len(domains) <= 1 + 8 + 4
     assert len(tracker.snapshot()["classes"]) <= 8 + 4
 

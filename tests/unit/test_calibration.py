@@ -1,0 +1,49 @@
+"""Calibration (``specdec_core/calibration.py``): a cost grid measured through the engine's own steps."""
+
+
+from specdec_core import Engine, NgramProposer, calibration
+from specdec_core.calibration import calibrate
+
+
+def test_calibrate_measures_a_cost_grid(tiny_models):
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256, max_batch_size=4)
+    costs = calibrate(eng, batches=(1, 4), qs=(1, 3))
+    assert costs.batches == (1, 4) and costs.qs == (1, 3)
+    assert all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
+    assert eng.target.num_free_slots == 4
+
+
+def test_calibration_keeps_each_cells_fastest_sweep(tiny_models, monkeypatch):
+    """A burst of noise over a run of cells in one sweep (another replica loading beside this one)
+    does not reach the grid: each cell keeps its fastest of two sweeps. In one sweep it would."""
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256, max_batch_size=4)
+    real, calls = calibration._time_steps, []
+
+    def bursty(engine, batch, k, *args, **kwargs):
+        verify, propose = real(engine, batch, k, *args, **kwargs)
+        calls.append(k)
+        return (verify + 1.0, propose + 1.0) if len(calls) <= 3 and k > 0 else (verify, propose)
+
+    monkeypatch.setattr(calibration, "_time_steps", bursty)
+    costs = calibrate(eng, batches=(1,), qs=(1, 2, 3))
+    assert max(costs.target_s[0]) < 0.5 and costs.draft_time(1) < 0.5
+    calls.clear()
+    one = calibrate(eng, batches=(1,), qs=(1, 2, 3), sweeps=1)
+    assert one.target_time(1, 2) > 1.0 and one.target_time(1, 1) < 0.5
+
+
+def test_ngram_calibration_times_full_width_verifies(tiny_models):
+    """The lookup finds nothing to propose on the synthetic prompt's continuation; calibration must
+    still time K+1-token verifies, not plain steps labelled K+1."""
+    eng = Engine.from_pretrained(tiny_models["target"], proposer="ngram", max_model_len=256)
+    widths = set()
+    verify = eng.verifier.verify
+
+    def recording_verify(items):  # the real verify, recording how many draft tokens each row judged
+        widths.update(len(item.proposal.token_ids) for item in items)
+        return verify(items)
+
+    eng.verifier.verify = recording_verify
+    calibrate(eng, batches=(1,), qs=(1, 9), steps=5)
+    assert 8 in widths  # q = 9: K = 8 draft tokens verified, not plain steps labelled K+1
+    assert isinstance(eng.proposer, NgramProposer)  # restored
