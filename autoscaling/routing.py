@@ -36,7 +36,8 @@ that its estimate can recover; and
 while the served cost of plain steps at a batch is unmeasured, a share of the auto requests rule 3
 sends to speculation run plain instead (``cost_probe_route``), so that the served costs of both
 sides are learnt and a calibration that flatters speculation is found out; and while the other
-speculative topology's served rounds are unmeasured, a share runs there (``topology_probe_route``).
+speculative topology's served rounds are unmeasured, a share runs there (``topology_probe_route``; not
+on shared cores, where a separate round is a co-located step's forwards plus hops).
 
 Every decision carries a regime label (`classify_regime`) that says why
 speculation does or does not pay for this request, in the vocabulary of

@@ -58,9 +58,10 @@ Leaving PLAIN at PROBE_K is a probe whether the probe was due or a re-pricing fo
 it: either way one step at K=1 tests whether acceptance is back. A plain request is re-priced every
 ``REPRICE_EVERY`` steps and when a probe is due; in between its priced K is 0. A plain request with
 no judged tokens of its own runs on its traffic class's probe clock (``AdaptiveK.choose``). Each
-row chooses as if the batch shared its K, so the engine lets a step speculate only if the whole
-batch gains (``batch_pays``). With ``budgeted`` one plan chooses every row's K for the batch
-instead (``step_planner.py``): no state machine per row.
+row chooses as if the batch shared its K, so the engine runs the mix of the batch's K that gains
+most (``batch_ks``): the rows' own, theirs with the plain rows lifted to a shared K, or plain. With
+``budgeted`` one plan chooses every row's K for the batch instead (``step_planner.py``): no state
+machine per row.
 """
 
 from __future__ import annotations
@@ -160,10 +161,12 @@ class Regret:
     k_cap: int | None = None  # the largest K the request may still use (None: its own K)
 
     def charge(self, spec_step_s: float, emitted: int, proposed: int, plain_step_s: float,
-               tokens_so_far: int) -> bool:
+               tokens_so_far: int, share: float = 1.0) -> bool:
         """One speculative step that proposed ``proposed`` tokens; True once the loss is over the budget
-        and beyond chance."""
-        self.loss += spec_step_s / plain_step_s - emitted
+        and beyond chance. The row pays a plain step plus ``share`` of the step's time beyond it: its
+        draft tokens over the step's mean per row (1 in a uniform step). Charged the whole step, a K=1
+        row among K=2 rows paid for their draft tokens too, and its guard stopped it."""
+        self.loss += (plain_step_s + share * (spec_step_s - plain_step_s)) / plain_step_s - emitted
         self.variance += (proposed / 2) ** 2
         budget = max(REGRET_BUDGET * tokens_so_far, REGRET_FLOOR_STEPS, REGRET_Z * math.sqrt(self.variance))
         return self.loss > budget
@@ -344,35 +347,37 @@ class AdaptiveK:
         seen = self.measured.buckets.get(self.measured.bucket(batch))
         return calibrated * (seen.plain if seen is not None and seen.plain_steps else 1.0)
 
-    def unless_batch_loses(self, ks: list[int], adaptive: list[bool], classes: list[TrafficClass],
-                           evidence: list[tuple[int, int, float | None]], context_len: int) -> list[int]:
-        """A step's K per row, the adaptive rows' at 0 unless the whole (padded) batch gains from them
-        (``batch_pays``). Per row: whether it is adaptive, its class, its (accepted, judged, class
-        estimate or None) evidence."""
+    def batch_ks(self, ks: list[int], adaptive: list[bool], lift_caps: list[int], classes: list[TrafficClass],
+                 evidence: list[tuple[int, int, float | None]], context_len: int) -> list[int]:
+        """A step's K per row: the mix that emits the batch's tokens fastest (``mix_rate``) of the rows' own
+        choices, those with the plain rows lifted to one shared K (each at most its ``lift_caps`` entry, 0:
+        not liftable), and a plain step for the adaptive rows. Per row: whether it is adaptive, its class,
+        its (accepted, judged, class estimate or None) evidence.
+
+        Each row chose its K as if the batch shared it, so a row whose own acceptance priced it plain
+        (a=0.7 where the batch's K=4 steps needed 0.75) made the mix a few rows' draft forwards over the
+        whole batch's step, which lost to plain, and the batch ran plain: served at T=1 and batch 4 auto
+        ran 48% of its steps plain (57% of them on this rule) where fixed K=4 measured 1.15x plain. In a
+        memory-bound step a lifted row adds only its verify tokens and a draft row: the batch gains
+        from it at an acceptance the row alone could not pay at."""
         speculating = {i for i, (on, k) in enumerate(zip(adaptive, ks)) if on and k > 0}
         if not speculating:
             return ks
         acceptances = [self.acceptance(cls, *row) for cls, row in zip(classes, evidence)]
         model = self.cost_model_for(classes[min(speculating)], context_len)
-        if self.batch_pays(model, ks, acceptances):
-            return ks
-        return [0 if i in speculating else k for i, k in enumerate(ks)]
+        lifts = [0 if k else cap for k, cap in zip(ks, lift_caps)]  # the plain rows' caps
+        mixes = [[0 if i in speculating else k for i, k in enumerate(ks)], ks]
+        mixes += [[min(lift, depth) if lift else k for k, lift in zip(ks, lifts)] for depth in range(1, max(lifts) + 1)]
+        return max(mixes, key=lambda mix: self.mix_rate(model, mix, acceptances))  # ties: the first, plain
 
-    def batch_pays(self, model: CostModel, ks: list[int], acceptances: list[float]) -> bool:
-        """Does this step's mix of K beat a plain step for the batch as a whole?
-
-        Each row chose its K as if the batch shared it, but the batch pays for the sum: each row's
-        draft tokens widen the step's one ragged verify (``runner.py``) and its draft forwards run
-        over fewer rows than the batch. Rows at K=0 emit one token, speculative rows E_K(a) on
-        average; the step pays if the batch emits tokens faster than plain steps would. For a
-        uniform batch this is the per-row rule.
-        """
+    def mix_rate(self, model: CostModel, ks: list[int], acceptances: list[float]) -> float:
+        """Tokens a step of this mix of K emits per second, as priced. Each row's draft tokens widen the
+        step's one ragged verify (``runner.py``) and its draft forwards run over fewer rows than the
+        batch; rows at K=0 emit one token, speculative rows E_K(a) on average."""
         if max(ks) == 0:
-            return True
-        batch = len(ks)
-        step = model.ragged_step_time(batch, ks, self.topology)
+            return len(ks) / model.plain_time_per_token(len(ks))
         tokens = sum(expected_tokens_per_step(a, k) for a, k in zip(acceptances, ks))  # E_0 = 1: plain rows
-        return tokens / step > batch / model.plain_time_per_token(batch)
+        return tokens / model.ragged_step_time(len(ks), ks, self.topology)
 
     def plan_budget(self, classes: list[TrafficClass], evidence: list[tuple[list[int], list[int], float | None]],
                     k_maxes: list[int], fixed: list[int | None], context_len: int, plain_runs: list[int],

@@ -173,8 +173,9 @@ class Scheduler:
         adaptive = [r.params.adaptive_k and r.carried is None for r in rows]
         ks = chosen
         if batch > 1 and any(ks):
-            ks = self.adaptive.unless_batch_loses(
-                ks, adaptive, [self._traffic_class(r) for r in rows],
+            ks = self.adaptive.batch_ks(
+                ks, adaptive, [self._lift_cap(r) if on else 0 for r, on in zip(rows, adaptive)],
+                [self._traffic_class(r) for r in rows],
                 [(r.stats.accepted, sum(r.stats.proposed_per_position), r.params.class_acceptance) for r in rows],
                 max(len(r.tokens) for r in rows),
             )
@@ -183,6 +184,13 @@ class Scheduler:
             ks = [0] * batch  # the regret guard's reference step (adaptive.py): measured plain, once
         self._count_plain_causes(rows, adaptive, chosen, batch_ks, ks)
         return ks
+
+    def _lift_cap(self, req: ScheduledRequest) -> int:
+        """The K a step may lift an adaptive row to that priced itself plain (``AdaptiveK.batch_ks``): 0 where its
+        draft waits after a failure or its regret guard stopped it (its speculation measured losing)."""
+        if self.clock() < req.draft_retry_at or req.k_state is None or req.k_state.phase is Phase.STOPPED:
+            return 0
+        return req.budget_k(min(req.params.num_speculative_tokens, req.regret.k_cap or math.inf), self.max_model_len)
 
     def _count_plain_causes(self, rows: list[ScheduledRequest], adaptive: list[bool], chosen: list[int],
                             batch_ks: list[int], ks: list[int]) -> None:
@@ -331,13 +339,17 @@ class Scheduler:
             self.adaptive.observe_step(self._traffic_class(rows[0]), context_len, len(rows), proposed.pop(), step_s)
 
     def _account_regret(self, rows, proposals: list[Proposal], before: list[int], step_s: float) -> None:
-        """Charge each adaptive row that speculated against plain steps at this batch for the tokens
-        it emitted; a row over its budget decodes plain to its end (``adaptive.stop``)."""
+        """Charge each adaptive row that speculated at its own K against plain steps at this batch for the
+        tokens it emitted, at its share of the step (``Regret.charge``); a row over its budget decodes plain
+        to its end (``adaptive.stop``). A row the batch lifted from its plain price (``AdaptiveK.batch_ks``)
+        is not charged: the batch chose its K."""
+        per_row = sum(len(p.token_ids) for p in proposals) / len(rows)  # the step's draft tokens per row
         for req, prop, n0 in zip(rows, proposals, before):
-            if prop.token_ids and req.params.adaptive_k and req.k_state is not None:
+            if prop.token_ids and req.params.adaptive_k and req.k_state is not None and req.k_state.k:
                 plain_step = self.adaptive.plain_step_time(self._traffic_class(req), len(req.tokens), len(rows))
                 emitted = len(req.output_ids) - n0
-                if req.regret.charge(step_s, emitted, len(prop.token_ids), plain_step, len(req.output_ids)):
+                if req.regret.charge(step_s, emitted, len(prop.token_ids), plain_step, len(req.output_ids),
+                                     share=len(prop.token_ids) / per_row):
                     req.k_state = req.regret.trip(req.k_state)
 
     def _traffic_class(self, req: ScheduledRequest) -> TrafficClass:

@@ -348,15 +348,45 @@ def test_probe_after_a_long_prompt_stays_within_budget():
     assert policy.choose(state, cls, catch_up_tokens=4000, **kw).k == 0
 
 
-def test_batch_pays_prices_the_ragged_batch():
-    """At batch 8 with a cheap draft, every row speculating at high acceptance pays, and so does one
-    row at K=4 among plain rows: the ragged verify widens by its 4 tokens, not every row's to 5. Rows
-    that accept 10% do not pay for theirs."""
+def test_a_mix_is_priced_as_the_ragged_batch():
+    """At batch 8 with a cheap draft, every row speculating at high acceptance beats a plain step, and so
+    does one row at K=4 among plain rows: the ragged verify widens by its 4 tokens, not every row's to 5.
+    Rows that accept 10% do not pay for theirs."""
     policy = AdaptiveK(CostView(COSTS), AcceptanceTracker(), "draft")
     model = policy.view.model(True)
-    assert policy.batch_pays(model, [4] * 8, [0.9] * 8)
-    assert policy.batch_pays(model, [4] + [0] * 7, [0.9] * 8)
-    assert not policy.batch_pays(model, [4] * 8, [0.1] * 8)
+
+    def beats_plain(ks, acceptances):
+        return policy.mix_rate(model, ks, acceptances) > policy.mix_rate(model, [0] * 8, acceptances)
+
+    assert beats_plain([4] * 8, [0.9] * 8)
+    assert beats_plain([4] + [0] * 7, [0.9] * 8)
+    assert not beats_plain([4] * 8, [0.1] * 8)
     padded = model.spec_step_time(8, 4, draft_rows=1)
     assert model.ragged_step_time(8, [4] + [0] * 7) < 0.75 * padded
-    assert policy.batch_pays(model, [0] * 8, [0.9] * 8)  # a plain step is never vetoed
+
+
+def test_the_batch_lifts_rows_that_priced_themselves_plain_where_the_step_gains():
+    """Served at T=1 and batch 4, rows whose own acceptance priced them plain left a few rows' draft
+    forwards over the whole step, the mix lost to plain and the batch ran plain, where fixed K=4
+    measured 1.15x plain. In a memory-bound step a lifted row adds only verify tokens and a draft row:
+    rows at 0.6 ride along with rows at 0.9. Rows at 0.02 do not (their verify tokens buy nothing), a
+    row that may not be lifted (cap 0: stopped, or its draft failed) stays plain, and a batch whose
+    speculation pays in no mix runs plain."""
+    memory_bound = StepCosts(batches=(1, 16), qs=(1, 9), target_s=((0.010, 0.011), (0.012, 0.016)),
+                             draft_s=(0.0005, 0.001))
+    policy = AdaptiveK(CostView(memory_bound), AcceptanceTracker(), "draft")
+    cls = policy.traffic_class(1.0, "default")
+
+    def mix(ks, acceptances, caps=(4, 4, 4, 4)):
+        return policy.batch_ks(ks, [True] * 4, list(caps), [cls] * 4, [(0, 0, a) for a in acceptances], 64)
+
+    lifted = mix([2, 2, 0, 0], [0.9, 0.9, 0.6, 0.6])
+    assert lifted[:2] == [2, 2] and min(lifted[2:]) >= 1
+    model = policy.cost_model_for(cls, 64)
+    rates = [policy.mix_rate(model, ks, [0.9, 0.9, 0.6, 0.6]) for ks in ([2, 2, 0, 0], lifted, [0] * 4)]
+    assert rates[1] > rates[0] > rates[2]
+    assert mix([2, 2, 0, 0], [0.9, 0.9, 0.6, 0.6], caps=(4, 4, 0, 4))[2] == 0
+    costly = AdaptiveK(CostView(COSTS), AcceptanceTracker(), "draft")  # verify tokens cost: compute bound
+    assert costly.batch_ks([2, 2, 0, 0], [True] * 4, [4] * 4, [cls] * 4,
+                           [(0, 0, a) for a in (0.9, 0.9, 0.02, 0.02)], 64) == [2, 2, 0, 0]
+    assert mix([1, 0, 0, 0], [0.05] * 4) == [0] * 4

@@ -186,6 +186,22 @@ def test_topology_probes_let_served_rounds_rank_the_topologies():
     assert all(r.pool == "separate" and r.adaptive for r in after)
 
 
+def test_on_shared_cores_the_other_topology_is_not_probed():
+    """On shared cores a separate round runs a co-located step's forwards plus its hops on the same cores:
+    served at concurrency 1, its probes ran at 2.6x co-located's time per token and cost auto 9% of a
+    32-request run. With the load's cores shared, the auto requests that go co-located all stay there."""
+    now = [0.0]
+    st = _state(now)
+    st.shared_compute = True
+    loads = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
+    cm = st.cost_model()
+    for _ in range(3):
+        st.observe_timing("plain", 1, RequestStats(plain_steps=9, prompt_tokens=16, output_tokens=8),
+                          cm.plain_time_per_token(1), CLS)
+    routes = [_request(st, loads) for _ in range(40)]
+    assert all(r.pool == "colocated" and not r.probe for r in routes)
+
+
 def test_no_topology_probe_where_the_other_topology_would_not_pay():
     """A separate topology priced at a loss (a 30 ms hop per round) is never probed."""
     now = [0.0]

@@ -67,3 +67,19 @@ def test_a_tripped_guard_halves_k_with_a_fresh_budget_then_stops():
     r.loss = 5.0
     assert (r.trip(state).k, r.k_cap) == (1, 1)
     assert r.trip(KState(Phase.PROBING, 1)).phase is Phase.STOPPED
+
+
+def test_a_row_pays_its_share_of_a_mixed_step():
+    """A K=1 row among K=2 rows (draft tokens 2, 2, 2, 1: 1.75 a row) pays a plain step plus 1/1.75 of
+    the step's time beyond it, not the whole step: charged the K=2 rows' draft tokens too, a row that
+    emitted its two tokens every step lost 0.4 plain steps a step."""
+    whole, share = Regret(), Regret()
+    for n in range(1, 21):
+        whole.charge(0.0140, 2, 1, 0.0100, 2 * n)
+        share.charge(0.0140, 2, 1, 0.0100, 2 * n, share=1 / 1.75)
+    assert whole.loss == pytest.approx(20 * (1.4 - 2))  # two tokens still beat 1.4 plain steps...
+    assert share.loss == pytest.approx(20 * (1 + 0.4 / 1.75 - 2))  # ... by more at its share
+    # 1.5 tokens a step at 1.8 plain steps' time: a loss at the whole step, a gain at its share
+    whole, share = Regret(), Regret()
+    assert any(whole.charge(0.0180, 1 + n % 2, 1, 0.0100, n) for n in range(1, 41))
+    assert not any(share.charge(0.0180, 1 + n % 2, 1, 0.0100, n, share=1 / 1.75) for n in range(1, 41))
