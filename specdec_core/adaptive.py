@@ -175,6 +175,7 @@ class Regret:
         """The budget is spent speculating at ``state.k``: at most half that K from now on, with a
         fresh budget, or plain to the end once K = ``PROBE_K`` lost too."""
         if state.k <= PROBE_K:
+            self.k_cap = PROBE_K  # what a batch may still lift the stopped row to (``AdaptiveK.batch_ks``)
             return stop(state)
         self.k_cap, self.loss, self.variance = max(PROBE_K, state.k // 2), 0.0, 0.0
         return KState(Phase.SPECULATING, self.k_cap, 0, state.probe_every)

@@ -186,9 +186,10 @@ class Scheduler:
         return ks
 
     def _lift_cap(self, req: ScheduledRequest) -> int:
-        """The K a step may lift an adaptive row to that priced itself plain (``AdaptiveK.batch_ks``): 0 where its
-        draft waits after a failure or its regret guard stopped it (its speculation measured losing)."""
-        if self.clock() < req.draft_retry_at or req.k_state is None or req.k_state.phase is Phase.STOPPED:
+        """The K a step may lift an adaptive row to that priced itself plain (``AdaptiveK.batch_ks``): at most the
+        K its regret guard left it (a stopped row: the K that lost last), 0 while its draft waits after a
+        failure. A stopped row left plain in a speculating batch takes a whole speculative step per token."""
+        if self.clock() < req.draft_retry_at or req.k_state is None:
             return 0
         return req.budget_k(min(req.params.num_speculative_tokens, req.regret.k_cap or math.inf), self.max_model_len)
 

@@ -370,7 +370,7 @@ def test_the_batch_lifts_rows_that_priced_themselves_plain_where_the_step_gains(
     forwards over the whole step, the mix lost to plain and the batch ran plain, where fixed K=4
     measured 1.15x plain. In a memory-bound step a lifted row adds only verify tokens and a draft row:
     rows at 0.6 ride along with rows at 0.9. Rows at 0.02 do not (their verify tokens buy nothing), a
-    row that may not be lifted (cap 0: stopped, or its draft failed) stays plain, and a batch whose
+    row that may not be lifted (cap 0: its draft failed) stays plain, and a batch whose
     speculation pays in no mix runs plain."""
     memory_bound = StepCosts(batches=(1, 16), qs=(1, 9), target_s=((0.010, 0.011), (0.012, 0.016)),
                              draft_s=(0.0005, 0.001))

@@ -67,6 +67,8 @@ def test_a_tripped_guard_halves_k_with_a_fresh_budget_then_stops():
     r.loss = 5.0
     assert (r.trip(state).k, r.k_cap) == (1, 1)
     assert r.trip(KState(Phase.PROBING, 1)).phase is Phase.STOPPED
+    at_one = Regret()  # a request that started at K=1 and lost: a batch that speculates may still lift it to K=1
+    assert at_one.trip(KState(Phase.SPECULATING, 1)).phase is Phase.STOPPED and at_one.k_cap == 1
 
 
 def test_a_row_pays_its_share_of_a_mixed_step():

@@ -7,12 +7,13 @@ that fail one row, aborts."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
 from specdec_core import Proposal, SamplingParams
 from specdec_core.acceptance import AcceptanceTracker
-from specdec_core.adaptive import AdaptiveK
+from specdec_core.adaptive import AdaptiveK, KState, Phase
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import StepCosts
 from specdec_core.scheduler import NO_PROPOSAL, ScheduledRequest, Scheduler, StepPlan, StepResult
@@ -321,3 +322,23 @@ def test_a_machine_slower_than_its_calibration_stops_no_paying_request():
     plain_at = [i for i, k in enumerate(ks[:-1]) if k == 0]  # (the last step may be K=0: the token budget)
     assert plain_at[0] == 0 and len(plain_at) >= 2  # the first decode step is the reference, then one per period
     assert all(REFERENCE_EVERY <= b - a <= REFERENCE_EVERY + 2 for a, b in itertools.pairwise(plain_at)), plain_at
+
+
+def test_a_speculating_batch_lifts_a_stopped_row_to_k1_but_not_a_failed_draft():
+    """Left plain in a batch whose other rows speculate, a row takes a whole speculative step per token
+    (the p99 of a served load). Where the batch gains, a row its regret guard stopped rides along at
+    K=1, the K it lost last; a row whose draft failed stays plain until its retry time."""
+    memory_bound = StepCosts((1, 16), (1, 9), ((0.010, 0.011), (0.012, 0.016)), (0.0005, 0.001), source="test")
+    adaptive = AdaptiveK(CostView(memory_bound), AcceptanceTracker(prior_mean=0.9), "d")
+    sched, ex = Scheduler(4, 256, speculative=True, adaptive=adaptive), FakeExecutor()
+    rows = [request(f"r{i}", n=30, k=4, adaptive_k=True) for i in range(3)]
+    for r in rows:
+        sched.add(r)
+    for _ in range(2):  # the prefill, then the regret guard's plain reference step
+        sched.commit(plan := sched.schedule(8), ex.execute(plan))
+    stopped, failed = rows[1], rows[2]
+    stopped.k_state = stopped.regret.trip(KState(Phase.SPECULATING, 1))
+    failed.draft_retry_at = math.inf
+    plan = sched.schedule(8)
+    assert stopped.k_state.phase is Phase.STOPPED and plan.ks[0] > 1
+    assert plan.ks[1:] == (1, 0)
