@@ -32,27 +32,19 @@ to its base.
 | SPECULATING   | the same K             | SPECULATING | base                | ``hold``         |
 | SPECULATING   | another K >= 1         | SPECULATING | base                | ``speculate``    |
 | SPECULATING   | 0: collapse            | PLAIN       | doubled             | ``back_off``     |
-| any, K >= 2   | regret over budget     | SPECULATING | base                | ``Regret.trip``: |
+| any, K >= 2   | regret over budget     | SPECULATING | base                | ``Regret.trip``  |
 |               |                        |             |                     | K <= K // 2 on   |
 | any, K = 1    | regret over budget     | STOPPED     | (K=0 to the end)    | ``stop``         |
 
-The regret guard (in the spirit of SmartSpec, Liu et al. 2024): whatever the costs priced, a request
-keeps the measured wall time of the steps it speculated in against what plain steps at the same
-batch would have taken for the tokens those steps emitted (the engine's own measured plain steps,
-not the calibration); once that loss passes ``REGRET_BUDGET`` of the request's time so far (and a
-few steps' worth, and what its steps' spread would sum to by chance: ``Regret``), the request's K is
-capped at half the K that lost, with a fresh budget; once K=1 has lost too, it decodes plain to its
-end. So a wrong calibration costs a request at most a few budgets against plain, and a K too large
-for the request's text (a class estimate of 0.81 started a prose request at K=4 whose first steps
-accepted 0.2 of their tokens; stopped there, it took 0.91x plain's time where K=2 took 0.75x) costs
-one budget rather than its whole speculation. The plain reference must be measured where the
-speculative steps are: a served replica shares its cores with the router, the proxy and the other
-replicas, and every step there ran ~1.6x its idle calibration; against the calibrated plain step
-each speculative step looked like a loss, and at concurrency 4 auto requests stopped after 4-6 steps
-(65% of their steps plain, 0.91x of fixed K=4). So where this engine has no recent plain step of its
-own at a batch bucket, the next step whose speculating rows are all adaptive runs plain once, as a
-*reference step* (``reference_due``; every ``REFERENCE_EVERY`` speculative steps of the bucket after
-that).
+The regret guard (``regret.py``) checks each request's speculative steps against measured plain
+ones, whatever the costs priced; it halves a K that lost, then stops the request's speculation. Its
+plain reference must be measured where the speculative steps are: a served replica shares its cores
+with the router, the proxy and the other replicas, and every step there ran ~1.6x its idle
+calibration; against the calibrated plain step each speculative step looked like a loss, and at
+concurrency 4 auto requests stopped after 4-6 steps (65% of their steps plain, 0.91x of fixed K=4).
+So where this engine has no recent plain step of its own at a batch bucket, the next step whose
+speculating rows are all adaptive runs plain once, as a *reference step* (``reference_due``; every
+``REFERENCE_EVERY`` speculative steps of the bucket after that).
 
 Leaving PLAIN at PROBE_K is a probe whether the probe was due or a re-pricing found K=1 just worth
 it: either way one step at K=1 tests whether acceptance is back. A plain request is re-priced every
@@ -79,10 +71,7 @@ from specdec_core.step_planner import StepBudget, plan_step, survival
 REPRICE_EVERY = 4  # steps between re-pricings of a request at K=0
 PROBE_BUDGET = 0.05  # share of a request's remaining decode time a probe's draft catch-up may take
 PROBE_K = 1  # a probe's K: the cheapest step that judges a draft token
-REGRET_BUDGET = 0.03  # a request's speculation may cost at most this share of its plain-equivalent time
 MEMO_SIZE = 256  # plain rows' prices kept per drift version (rows with evidence of their own each add one)
-REGRET_FLOOR_STEPS = 4  # ... and never trips on less than this many plain steps' worth of loss
-REGRET_Z = 2.0  # ... nor on a loss within this many standard deviations of its steps' chance (``Regret``)
 REFERENCE_EVERY = 64  # speculative steps at a batch bucket between two measured plain steps there (~1% of them)
 
 
@@ -139,46 +128,6 @@ def back_off(state: KState, max_wait: int) -> KState:
 
 def stop(state: KState) -> KState:
     return KState(Phase.STOPPED, 0, 0, state.probe_every)
-
-
-@dataclass
-class Regret:
-    """One request's regret guard: the measured time of its speculative steps minus what plain steps
-    would have taken for the tokens they emitted (``loss``, in plain steps), against the plain-equivalent
-    time of all its tokens so far. Only speculative steps are charged: a plain row costs nothing to watch.
-
-    The loss is a random walk: a step rejected at its first position costs more than a plain step and
-    emits one token, one accepted whole emits K+1. So it trips only once the loss is also ``REGRET_Z``
-    standard deviations of what its steps could sum to by chance (a one-sided sequential test), with
-    each step's variance bounded by its range of outcomes, 1 to K+1 tokens: (K/2)^2 (Popoviciu). At K=4
-    with a 6-10% mean gain, the spread alone crossed a fixed floor of 4 plain steps within ~15 steps, and
-    the guard declined winning speculation on noise (served, batch 4: 78% of auto's steps plain in one
-    run, 10% in the next). A gross loss (a class estimate of 0.81 for text that accepts 0.2) still trips
-    within a few steps; a thin one is left to the evidence across requests (the drift)."""
-
-    loss: float = 0.0
-    variance: float = 0.0  # the bound on the summed loss's variance, in plain steps squared
-    k_cap: int | None = None  # the largest K the request may still use (None: its own K)
-
-    def charge(self, spec_step_s: float, emitted: int, proposed: int, plain_step_s: float,
-               tokens_so_far: int, share: float = 1.0) -> bool:
-        """One speculative step that proposed ``proposed`` tokens; True once the loss is over the budget
-        and beyond chance. The row pays a plain step plus ``share`` of the step's time beyond it: its
-        draft tokens over the step's mean per row (1 in a uniform step). Charged the whole step, a K=1
-        row among K=2 rows paid for their draft tokens too, and its guard stopped it."""
-        self.loss += (plain_step_s + share * (spec_step_s - plain_step_s)) / plain_step_s - emitted
-        self.variance += (proposed / 2) ** 2
-        budget = max(REGRET_BUDGET * tokens_so_far, REGRET_FLOOR_STEPS, REGRET_Z * math.sqrt(self.variance))
-        return self.loss > budget
-
-    def trip(self, state: KState) -> KState:
-        """The budget is spent speculating at ``state.k``: at most half that K from now on, with a
-        fresh budget, or plain to the end once K = ``PROBE_K`` lost too."""
-        if state.k <= PROBE_K:
-            self.k_cap = PROBE_K  # what a batch may still lift the stopped row to (``AdaptiveK.batch_ks``)
-            return stop(state)
-        self.k_cap, self.loss, self.variance = max(PROBE_K, state.k // 2), 0.0, 0.0
-        return KState(Phase.SPECULATING, self.k_cap, 0, state.probe_every)
 
 
 def next_state(state: KState, k: int, base_wait: int, max_wait: int) -> KState:
@@ -366,7 +315,7 @@ class AdaptiveK:
             return ks
         acceptances = [self.acceptance(cls, *row) for cls, row in zip(classes, evidence)]
         model = self.cost_model_for(classes[min(speculating)], context_len)
-        lifts = [0 if k else cap for k, cap in zip(ks, lift_caps)]  # the plain rows' caps
+        lifts = [0 if k else cap for k, cap in zip(ks, lift_caps)]  # a row that speculates keeps its K
         mixes = [[0 if i in speculating else k for i, k in enumerate(ks)], ks]
         mixes += [[min(lift, depth) if lift else k for k, lift in zip(ks, lifts)] for depth in range(1, max(lifts) + 1)]
         return max(mixes, key=lambda mix: self.mix_rate(model, mix, acceptances))  # ties: the first, plain

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec_core.acceptance import ProposalCoverage, TrafficClass
-from specdec_core.adaptive import AdaptiveK, KState, Phase, Regret
+from specdec_core.adaptive import AdaptiveK, KState, Phase
 from specdec_core.proposers import Proposal
+from specdec_core.regret import Regret
 from specdec_core.request import RequestOutput, RequestState
 from specdec_core.stats import StepTiming
 from specdec_core.step_planner import StepBudget
@@ -172,9 +173,10 @@ class Scheduler:
             return chosen
         adaptive = [r.params.adaptive_k and r.carried is None for r in rows]
         ks = chosen
+        now = self.clock()
         if batch > 1 and any(ks):
             ks = self.adaptive.batch_ks(
-                ks, adaptive, [self._lift_cap(r) if on else 0 for r, on in zip(rows, adaptive)],
+                ks, adaptive, [self._lift_cap(r, now) if on and not k else 0 for r, on, k in zip(rows, adaptive, ks)],
                 [self._traffic_class(r) for r in rows],
                 [(r.stats.accepted, sum(r.stats.proposed_per_position), r.params.class_acceptance) for r in rows],
                 max(len(r.tokens) for r in rows),
@@ -182,23 +184,22 @@ class Scheduler:
         batch_ks = ks
         if any(ks) and all(on for on, k in zip(adaptive, ks) if k) and self.adaptive.reference_due(batch):
             ks = [0] * batch  # the regret guard's reference step (adaptive.py): measured plain, once
-        self._count_plain_causes(rows, adaptive, chosen, batch_ks, ks)
+        self._count_plain_causes(rows, adaptive, chosen, batch_ks, ks, now)
         return ks
 
-    def _lift_cap(self, req: ScheduledRequest) -> int:
+    def _lift_cap(self, req: ScheduledRequest, now: float) -> int:
         """The K a step may lift an adaptive row to that priced itself plain (``AdaptiveK.batch_ks``): at most the
         K its regret guard left it (a stopped row: the K that lost last), 0 while its draft waits after a
         failure. A stopped row left plain in a speculating batch takes a whole speculative step per token."""
-        if self.clock() < req.draft_retry_at or req.k_state is None:
+        if now < req.draft_retry_at or req.k_state is None:
             return 0
         return req.budget_k(min(req.params.num_speculative_tokens, req.regret.k_cap or math.inf), self.max_model_len)
 
     def _count_plain_causes(self, rows: list[ScheduledRequest], adaptive: list[bool], chosen: list[int],
-                            batch_ks: list[int], ks: list[int]) -> None:
+                            batch_ks: list[int], ks: list[int], now: float) -> None:
         """What set each adaptive row's K to 0 this step (``RequestStats.plain_by_cause``): its own price,
         the batch's, the regret guard's reference step, or its guard having stopped it. The replica's
         decline is what the router learns (``RouteState.declined``); this says which part of it declined."""
-        now = self.clock()
         for req, on, first, after_batch, k in zip(rows, adaptive, chosen, batch_ks, ks):
             if not on or k or req.params.num_speculative_tokens == 0:
                 continue

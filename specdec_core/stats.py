@@ -23,9 +23,9 @@ class RequestStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [K] how often position i was accepted
     proposal_lengths: list[int] = field(default_factory=list)  # [K+1] steps by tokens proposed (0 = plain)
     # An adaptive row's decode steps at K=0, by what set K to 0 (``Scheduler._count_plain_causes``): "priced"
-    # (its cost model: speculation does not pay), "batch" (the step's batch as a whole would lose from its
-    # drafts), "reference" (the regret guard's measured plain step), "stopped" (its regret guard tripped at
-    # K=1), "draft" (its draft failed and is retried later)
+    # (its cost model: speculation does not pay), "batch" (the step's batch as a whole ran fastest plain,
+    # ``AdaptiveK.batch_ks``), "reference" (the regret guard's measured plain step), "stopped" (its regret
+    # guard tripped at K=1), "draft" (its draft failed and is retried later)
     plain_by_cause: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0  # target prefill, including queueing in its step
     decode_s: float = 0.0  # sum of the wall times of the steps this request took part in

@@ -1,10 +1,11 @@
-"""The regret guard (``specdec_core/adaptive.py`` ``Regret``): a request's speculative steps charged
+"""The regret guard (``specdec_core/regret.py`` ``Regret``): a request's speculative steps charged
 against plain ones, tripping only beyond its steps' chance; a tripped guard halves K, then stops."""
 
 import pytest
 import torch
 
-from specdec_core.adaptive import KState, Phase, Regret, stop
+from specdec_core.adaptive import KState, Phase, stop
+from specdec_core.regret import Regret
 
 BASE = 4  # a probe interval (the tests only carry it through a trip)
 
