@@ -16,9 +16,15 @@ class FadingMeans:
         value, at = self._values.get(key, (0.0, 0.0))
         return value * 0.5 ** ((self.clock() - at) / self.half_life_s)
 
-    def update(self, key: Hashable, observed: float) -> None:
+    def age(self, key: Hashable) -> float:
+        """Seconds since the key was last updated (inf: never)."""
+        return self.clock() - self._values[key][1] if key in self._values else float("inf")
+
+    def update(self, key: Hashable, observed: float, share: float = 1.0) -> None:
+        """Move the key's mean toward ``observed`` by the weight, times ``share`` for an observation
+        worth that share of a whole one."""
         value = self.get(key)
-        self._values[key] = (value + self.weight * (observed - value), self.clock())
+        self._values[key] = (value + self.weight * share * (observed - value), self.clock())
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self._values)

@@ -42,24 +42,50 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A running request's decode steps so far, by kind. The router learns from it what a pool's adaptive K
+    declines while the request still decodes (``RouteState.learn_declined``), where its last delta's
+    stats come a whole request later."""
+
+    plain_steps: int = 0  # decode steps at K=0 (its prefill's pass is not one)
+    verify_steps: int = 0
+    batch_rows: int = 0  # the decode batch of each of its decode steps, summed
+
+    @classmethod
+    def of(cls, stats: RequestStats) -> Progress:
+        return cls(max(0, stats.plain_steps - 1), stats.verify_steps, stats.decode_batch_rows)
+
+    @property
+    def steps(self) -> int:
+        return self.plain_steps + self.verify_steps
+
+    def since(self, earlier: Progress) -> Progress:
+        return Progress(self.plain_steps - earlier.plain_steps, self.verify_steps - earlier.verify_steps,
+                        self.batch_rows - earlier.batch_rows)
+
+
+@dataclass(frozen=True)
 class Delta:
-    """What a request produced since its previous delta; ``stats`` only on the last one."""
+    """What a request produced since its previous delta; ``stats`` only on the last one, ``progress`` on
+    the others."""
 
     token_ids: list[int]
     text: str
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stats: RequestStats | None = None
+    progress: Progress | None = None
 
     @classmethod
     def of(cls, out: RequestOutput) -> Delta:
-        return cls(out.new_token_ids, out.new_text, out.finished, out.finish_reason,
-                   out.stats if out.finished else None)
+        if out.finished:
+            return cls(out.new_token_ids, out.new_text, True, out.finish_reason, out.stats)
+        return cls(out.new_token_ids, out.new_text, progress=Progress.of(out.stats))
 
     def merged(self, later: Delta) -> Delta:
         """This delta followed by ``later``, as one (what a stream sends when it coalesces steps)."""
         return Delta(self.token_ids + later.token_ids, self.text + later.text, later.finished, later.finish_reason,
-                     later.stats)
+                     later.stats, later.progress)
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ from collections.abc import AsyncIterator
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from autoscaling.routing import POOLS, Pool, PoolLoad
+from autoscaling.routing import POOLS, SPEC_TOPOLOGIES, Pool, PoolLoad
 from deployments.channel_executor import ReplicaLost
 from deployments.config import AppConfig
-from deployments.messages import Delta, GenerateRequest, Resume
+from deployments.messages import Delta, GenerateRequest, Progress, Resume
 from deployments.metrics import RouterMetrics
 from deployments.planning import Execution
-from deployments.route_state import RouteState
+from deployments.route_state import DECLINE_WINDOW_STEPS, RouteState
 from deployments.separate_loop import SeparateLoop
 
 logger = logging.getLogger("ray.serve")
@@ -113,6 +113,7 @@ class Pools:
         self._metrics.routed(run.pool, d.k, d.regime, run.plan.requested_mode, d.predicted_speedup)
         t0, last = time.perf_counter(), None
         t_first, n_first, n_out, per_token = None, 0, 0, 0.0
+        taught, window_since = Progress(), rows_since  # of its decode steps, those its declined lessons counted
         try:
             gen = self._migrating(run)
             try:
@@ -126,6 +127,9 @@ class Pools:
                         if per_token:
                             batch = (delta.stats.mean_decode_batch if delta.stats else 0.0) or run.plan.batch
                             run.realised_speedup = self._route_state.realised_speedup(batch, per_token)
+                    elif delta.progress is not None and delta.progress.steps - taught.steps >= DECLINE_WINDOW_STEPS:
+                        if self._learn_declined(run, delta.progress.since(taught), window_since):
+                            taught, window_since = delta.progress, self._row_clock()
                     yield delta
             finally:
                 await gen.aclose()
@@ -133,10 +137,26 @@ class Pools:
             decoded_rows = self._mean_rows(rows_since) / replicas
             self._count(run.pool, -1, run.plan.probe)  # where it finished: a migrated request moved
             try:
+                if last is not None and last.stats is not None:
+                    self._learn_declined(run, Progress.of(last.stats).since(taught), window_since)
                 self._report(run, last, per_token, time.perf_counter() - t0,
                              _time_to_first_token(t0, t_first, n_first, n_out, last), (joined_rows, decoded_rows))
             except Exception:
-                logger.exception("metrics update failed")
+                logger.exception("learning from a finished request failed")
+
+    def _learn_declined(self, run: Execution, window: Progress, since: tuple[float, float]) -> bool:
+        """An auto request routed to speculation teaches what its pool's adaptive K ran plain of ``window``'s
+        decode steps (``RouteState.learn_declined``), at the batch they ran in: where the pools share their
+        cores, the whole load's mean rows since ``since`` (a ``_row_clock`` reading), else its own. Not a
+        migrated request: its counts restarted on another replica. Whether it taught."""
+        if not (run.plan.params.adaptive_k and run.pool in SPEC_TOPOLOGIES and not run.migrations and window.steps):
+            return False
+        if self._route_state.shared_compute:
+            batch = self._mean_rows(since) / max(1, self.replicas[run.pool])
+        else:
+            batch = window.batch_rows / window.steps
+        self._route_state.learn_declined(run.pool, batch or run.plan.batch, run.plan.traffic_class, window)
+        return True
 
     def _row_clock(self) -> tuple[float, float]:
         """(row-seconds of all pools so far, now)."""
@@ -162,8 +182,7 @@ class Pools:
         stats = last.stats if last is not None and last.finished else None
         if stats is not None:
             self._route_state.learn(run.pool, run.plan.batch, run.plan.traffic_class, stats, per_token,
-                                    migrated=run.migrations > 0, whole_load=whole_load,
-                                    adaptive=run.plan.params.adaptive_k)
+                                    migrated=run.migrations > 0, whole_load=whole_load)
         if stats is not None and stats.proposed:
             tr = self._route_state.tracker
             self._metrics.acceptance(run.plan.traffic_class, tr.estimate(run.plan.traffic_class),

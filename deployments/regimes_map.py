@@ -62,7 +62,8 @@ def regimes_map(state: RouteState, loads: Mapping[str, PoolLoad]) -> dict:
                   for p, load in state.priced_loads(loads).items()},
         # what the pools' adaptive K declined: share of steps run plain, by pool, batch bucket and class
         "declined": [{"pool": pool, "batch_bucket": bucket, "class": dataclasses.asdict(cls) if cls else None,
-                      "share": share} for pool, bucket, cls, share in state.declined_lessons()],
+                      "share": share, "learnt_s_ago": round(age, 3)}
+                     for pool, bucket, cls, share, age in state.declined_lessons()],
         "shared_compute": state.shared_compute,
         "classes": out,
     }

@@ -36,6 +36,7 @@ from autoscaling.routing import (
 )
 from autoscaling.traffic_classes import DomainTable
 from deployments.config import AppConfig, model_label
+from deployments.messages import Progress
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
@@ -65,9 +66,12 @@ SERVED_DRIFT_MIN_REQUESTS = 3  # finished requests on each side of a batch bucke
 # that a burst's pricing does not outlive the burst.
 JOINING_WEIGHT = 0.2
 JOINING_HALF_LIFE_S = 30.0
-# What the pools' adaptive K declined (``RouteState.declined``): a moving share per request, faded with this
-# half-life so that a batch whose speculation the engine declined is offered it again once the lesson is old
+# What the pools' adaptive K declined (``RouteState.declined``): a moving share of decode steps, learnt from each
+# window of this many decode steps of a request as it decodes (a shorter one, a request's last, counts for its
+# share of a window), faded with this half-life so that a batch whose speculation the engine declined is offered
+# it again once the lesson is old
 DECLINED_WEIGHT = 0.2
+DECLINE_WINDOW_STEPS = 16
 DECLINED_HALF_LIFE_S = 60.0
 # On shared cores, a request teaches the served drift only where other pools held at most this share of the rows
 # while it ran (``RouteState._ran_alone``).
@@ -295,16 +299,18 @@ class RouteState:
             return lessons.get(pool, 0.0)
         return max(lessons.values(), default=0.0)
 
-    def _learn_declined(self, pool: str, batch: float, cls: TrafficClass, stats: RequestStats) -> None:
-        """An auto request routed to speculation finished: the share of its decode steps its pool's adaptive K
-        ran plain. The engine chose them from its measured step times (the regret guard: speculative steps
-        against its own plain ones, on the cores as they are now), which the router's prices only model:
-        on the tiny family at batch 8 the router priced K=2-3 at 1.07-1.15x plain, its requests ran 63-91%
-        of their steps plain there, and measured 0.84-0.95x of the plain pool."""
-        plain_decode = max(0, stats.plain_steps - 1)  # the prefill's pass is one of its plain steps
-        steps = plain_decode + stats.verify_steps
-        if steps:
-            self._declined.update((pool, self.drift.bucket(batch), cls), plain_decode / steps)
+    def learn_declined(self, pool: str, batch: float, cls: TrafficClass, window: Progress) -> None:
+        """An auto request routed to speculation ran ``window``'s decode steps at a batch like ``batch`` (the
+        whole load's, on shared cores): the share its pool's adaptive K ran plain, worth its share of
+        ``DECLINE_WINDOW_STEPS``. The engine chose them from its measured step times (the regret guard:
+        speculative steps against its own plain ones, on the cores as they are now), which the router's prices
+        only model: on the tiny family at batch 8 the router priced K=2-3 at 1.07-1.15x plain, its requests ran
+        63-91% of their steps plain there, and measured 0.84-0.95x of the plain pool. Learnt as requests
+        decode, not once they finish: a burst's requests are routed while the first of them still decode, and
+        at c=8 (T=0, 48 tokens) 16 of them followed the first into a pool that ran 82% of their steps plain."""
+        if window.steps:
+            self._declined.update((pool, self.drift.bucket(batch), cls), window.plain_steps / window.steps,
+                                  min(1.0, window.steps / DECLINE_WINDOW_STEPS))
 
     def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
         """The drift bucket of ``batch`` and whether served steps of ``kind`` (a pool) are measured there."""
@@ -312,18 +318,14 @@ class RouteState:
 
     # ---- feedback ------------------------------------------------------------------------------
     def learn(self, pool: str, batch: int, cls: TrafficClass, stats: RequestStats, seconds_per_token: float,
-              migrated: bool, whole_load: tuple[int, float] | None = None, adaptive: bool = False) -> None:
+              migrated: bool, whole_load: tuple[int, float] | None = None) -> None:
         """A request finished: its judged draft tokens teach the acceptance estimate of its class, its
         measured time per token the served drift (not after a migration: a re-prefill is no step time)
         at the batch its decode steps ran in (``batch``, the one it joined, only when it ran none: in a
         closed loop a request that joined an idle pool decodes beside the ones that follow it, and
         timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration).
         Where the pools share their cores, the rows that joined it are the whole load's: ``whole_load``
-        = (all pools' rows once it joined, their mean while it ran), per replica of its pool. An ``adaptive``
-        request (auto, routed to speculation) teaches what its pool's adaptive K declined (``declined``)."""
-        if adaptive and not migrated and pool in SPEC_TOPOLOGIES:
-            decoded = whole_load[1] if self.shared_compute and whole_load is not None and whole_load[1] else None
-            self._learn_declined(pool, decoded or stats.mean_decode_batch or batch, cls, stats)
+        = (all pools' rows once it joined, their mean while it ran), per replica of its pool."""
         if not migrated:
             if self.shared_compute and whole_load is not None and whole_load[1]:
                 self._learn_joining(pool, *whole_load)
@@ -395,8 +397,14 @@ class RouteState:
             return None
         return self.cost_model().plain_time_per_token(batch) / seconds_per_token
 
-    def declined_lessons(self) -> list[tuple[str, int, TrafficClass | None, float]]:
+    def declined_lessons(self) -> list[tuple[str, int, TrafficClass | None, float, float]]:
         """What the pools' adaptive K declined, as routing reads it: (pool, batch bucket, class, share of
-        steps run plain), the lessons under 1% left out."""
-        return [(pool, bucket, cls, share) for (pool, bucket, cls) in self._declined
-                if (share := self.declined(pool, 2 ** bucket, cls)) >= 0.01]
+        steps run plain, seconds since a request last taught it); the lessons under 1% left out unless taught
+        within a half-life (a pool that ran its requests' steps speculative is news too)."""
+        lessons = []
+        for key in self._declined:
+            pool, bucket, cls = key
+            share, age = self.declined(pool, 2 ** bucket, cls), self._declined.age(key)
+            if share >= 0.01 or age < DECLINED_HALF_LIFE_S:
+                lessons.append((pool, bucket, cls, share, age))
+        return lessons

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from specdec_bench import local_app
-from specdec_bench.local_app import free_port, sse_events  # noqa: F401 - the tests' helpers, one copy
+from specdec_bench.local_app import free_port, sse_event, sse_events  # noqa: F401 - the tests' helpers, one copy
 
 MAX_LEN = 512
 MAX_INFLIGHT = 32

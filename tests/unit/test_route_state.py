@@ -12,6 +12,7 @@ from served import CharTokenizer, synthetic_costs
 
 from autoscaling.routing import PoolLoad, RoutingError
 from autoscaling.traffic_classes import DomainTable
+from deployments.messages import Progress
 from deployments.regimes_map import regimes_map
 from deployments.route_state import PRIOR_COSTS, RouteState, objective_of, with_hops
 from specdec_core import SamplingParams
@@ -231,10 +232,7 @@ def test_a_pool_whose_adaptive_k_ran_a_class_plain_is_not_sent_more_of_it_until_
     assert route(idle, state=st).pool == "colocated"
     declined = _served_stats(k=3, decode_steps=4, plain_decode=30)
     for _ in range(5):
-        st.learn("colocated", 1, TrafficClass.of("d", 0.0), declined, 0.0, migrated=False)  # fixed K: no verdict
-    assert route(idle, state=st).pool == "colocated"
-    for _ in range(5):
-        st.learn("colocated", 1, TrafficClass.of("d", 0.0), declined, 0.0, migrated=False, adaptive=True)
+        st.learn_declined("colocated", 1, TrafficClass.of("d", 0.0), Progress.of(declined))
     assert st.declined("colocated", 1, TrafficClass.of("d", 0.0)) == pytest.approx(0.88 * (1 - 0.8 ** 5), abs=0.01)
     r = route(idle, state=st)
     assert r.pool == "plain" and "adaptive K ran such requests plain" in r.decision.reason, r.decision
@@ -244,6 +242,25 @@ def test_a_pool_whose_adaptive_k_ran_a_class_plain_is_not_sent_more_of_it_until_
     assert route(idle, state=st, mode="speculative").pool == "colocated"
     now[0] += 120.0
     assert route(idle, state=st).pool == "colocated"
+
+
+def test_a_decline_is_learnt_window_by_window_each_worth_its_share_of_a_window():
+    """Requests teach what their pool's adaptive K ran plain as they decode, a window of their decode steps at
+    a time (their deltas' progress), not once they finish: four windows in which 14 of 16 steps ran plain
+    send the class plain. A request's last, shorter window moves the lesson by its share of a window."""
+    cls, idle = TrafficClass.of("d", 0.0), {"plain": PoolLoad(), "colocated": PoolLoad()}
+    st = _state(costs=synthetic_costs())
+    window = Progress(plain_steps=14, verify_steps=2, batch_rows=16)
+    for n in range(1, 5):
+        assert route(idle, state=st).pool == "colocated"
+        st.learn_declined("colocated", 1, cls, window)
+        assert st.declined("colocated", 1, cls) == pytest.approx(14 / 16 * (1 - 0.8 ** n))
+    assert route(idle, state=st).pool == "plain"
+    other = TrafficClass.of("d", 1.0)
+    st.learn_declined("colocated", 1, other, Progress(plain_steps=4, verify_steps=0, batch_rows=4))
+    assert st.declined("colocated", 1, other) == pytest.approx(0.2 * 4 / 16)
+    st.learn_declined("colocated", 1, other, Progress())  # no decode step: nothing learnt
+    assert st.declined("colocated", 1, other) == pytest.approx(0.2 * 4 / 16)
 
 
 def test_on_shared_cores_a_pools_decline_stands_for_the_other_and_co_located_binds_separate():
@@ -256,7 +273,7 @@ def test_on_shared_cores_a_pools_decline_stands_for_the_other_and_co_located_bin
     for shared in (False, True):
         st = _state(costs=synthetic_costs(), shared_compute=shared)
         for _ in range(5):
-            st.learn("colocated", 1, cls, declined, 0.0, migrated=False, adaptive=True)
+            st.learn_declined("colocated", 1, cls, Progress.of(declined))
         r = route(pools, state=st)
         if not shared:
             assert r.pool == "separate", r.decision
@@ -264,14 +281,14 @@ def test_on_shared_cores_a_pools_decline_stands_for_the_other_and_co_located_bin
         assert r.pool == "plain" and st.declined("separate", 1, cls) == st.declined("colocated", 1, cls), r.decision
         assert route(pools, state=st, temperature=1.0).pool != "plain"  # another class: no lesson
         for _ in range(5):  # a lesson of its own, that its adaptive K kept speculating, does not lift it:
-            st.learn("separate", 1, cls, _served_stats(k=2, decode_steps=20), 0.0, migrated=False, adaptive=True)
+            st.learn_declined("separate", 1, cls, Progress.of(_served_stats(k=2, decode_steps=20)))
         assert route(pools, state=st).pool == "plain"  # its rounds are the co-located pool's forwards plus hops
         other = TrafficClass.of("d", 1.0)
         for _ in range(5):  # the other way round, the separate pool's verdict stands only while co-located has none
-            st.learn("separate", 1, other, declined, 0.0, migrated=False, adaptive=True)
+            st.learn_declined("separate", 1, other, Progress.of(declined))
         assert st.declined("colocated", 1, other) == st.declined("separate", 1, other) >= 0.5
         for _ in range(5):
-            st.learn("colocated", 1, other, _served_stats(k=2, decode_steps=20), 0.0, migrated=False, adaptive=True)
+            st.learn_declined("colocated", 1, other, Progress.of(_served_stats(k=2, decode_steps=20)))
         assert st.declined("colocated", 1, other) < 0.5 <= st.declined("separate", 1, other)
         assert route(pools, state=st, temperature=1.0).pool == "colocated"
 

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from served import CharTokenizer, synthetic_costs
 
 from deployments.config import AppConfig, resolve_model_path
-from deployments.messages import Delta
+from deployments.messages import Delta, Progress
 from deployments.route_state import PRIOR_COSTS
 from deployments.session_router import SessionAffinityRouter, owner
 from specdec_core import SamplingParams
@@ -132,6 +132,26 @@ def test_separate_request_stopping_rules():
     r2 = _req(max_new_tokens=2)
     r2.commit([0])
     assert r2.budget_k(4, max_len=100) == 0  # one token left: a plain step emits it
+
+
+def test_a_running_requests_deltas_report_its_decode_steps_and_its_last_its_stats():
+    """Each delta but the last says how many decode steps the request ran plain and speculative so far (what
+    the router learns a pool's decline from as it decodes); coalesced deltas keep the later count."""
+    r = _req(max_new_tokens=10)
+    r.stats.record_verify(0, 0)  # the prefill's pass: no decode step
+    r.commit([0])
+    first = Delta.of(r.output())
+    assert (first.progress, first.stats) == (Progress(0, 0, 0), None)
+    r.stats.record_verify(2, 1)
+    r.stats.record_verify(0, 0)
+    r.stats.decode_batch_rows += 6
+    r.commit([1, 2])
+    second = Delta.of(r.output())
+    assert second.progress == Progress(plain_steps=1, verify_steps=1, batch_rows=6)
+    assert first.merged(second).progress == second.progress and second.progress.since(first.progress).steps == 2
+    r.commit([99])
+    last = Delta.of(r.output())
+    assert last.finished and last.progress is None and last.stats is r.stats
 
 
 def test_router_metrics_accept_zero_counts():

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from served import COLOCATED, MAX_INFLIGHT, PLAIN, complete, wait_idle
+from served import COLOCATED, MAX_INFLIGHT, PLAIN, complete, sse_event, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,6 +64,30 @@ def test_auto_adaptive_k_drops_to_plain_inside_replica(client):
     # and says what set its K to 0 (its price or its regret guard), step for step; a fixed K has none
     assert sum(auto["plain_steps_by_cause"].values()) == auto["plain_steps"] - 1, auto
     assert not fixed["plain_steps_by_cause"], fixed
+
+
+def test_a_streamed_auto_request_teaches_what_its_pool_declined_while_it_decodes(server, client):
+    """The tiny draft disagrees with the target, so the co-located replica's adaptive K runs an auto request
+    mostly plain (above). Its stream's deltas count its decode steps so far, and the router learns the
+    decline window by window: /v1/regimes lists the lesson for its class while the request still decodes."""
+    body = {"model": "tiny", "prompt": "It is a truth universally", "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True, "user": "live-decline"}
+    received, lessons, spec = 0, None, {}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            event = sse_event(line)
+            if not isinstance(event, dict) or not event["choices"]:
+                continue
+            choice, spec = event["choices"][0], event.get("speculation") or spec
+            received += len(choice["token_ids"])
+            if received >= 160 and choice["finish_reason"] is None and lessons is None:
+                declined = httpx.get(f"{server['url']}/v1/regimes", timeout=30).json()["declined"]
+                lessons = [d for d in declined if d["class"]["domain"] == "live-decline"]
+    assert received == 240 and (spec["pool"], spec["adaptive_k"]) == ("colocated", True), spec
+    assert lessons, "no lesson before the request's last delta"
+    (lesson,) = lessons
+    assert lesson["pool"] == "colocated" and lesson["learnt_s_ago"] < 30, lesson
 
 
 def test_auto_burst_goes_plain_in_large_batch_regime(server):
