@@ -53,7 +53,7 @@ class Progress:
 
     @classmethod
     def of(cls, stats: RequestStats) -> Progress:
-        return cls(max(0, stats.plain_steps - 1), stats.verify_steps, stats.decode_batch_rows)
+        return cls(stats.plain_decode_steps, stats.verify_steps, stats.decode_batch_rows)
 
     @property
     def steps(self) -> int:

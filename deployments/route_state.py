@@ -364,9 +364,9 @@ class RouteState:
         moved between step shapes teaches by its steps of each K (``StepDrift.observe_mixed``); a
         separate one only when all its rounds had one shape."""
         verify = stats.verify_steps
-        # plain_steps counts the prefill's pass, and a fixed-K request may end on a K=0 step (its
-        # token budget): one such decode step still leaves the request a K-token one.
-        plain_decode = max(0, stats.plain_steps - 1)
+        # a fixed-K request may end on a K=0 step (its token budget): one such decode step still leaves
+        # the request a K-token one.
+        plain_decode = stats.plain_decode_steps
         spec_ks = sum(1 for k, n in enumerate(stats.proposal_lengths) if k and n)
         ran_plain = verify and plain_decode > 1  # adaptive K moved it between plain and speculative steps
         if pool not in POOLS or seconds_per_token <= 0:

@@ -43,6 +43,11 @@ class RequestStats:
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 1.0
 
     @property
+    def plain_decode_steps(self) -> int:
+        """Decode steps without draft tokens: ``plain_steps`` less the prefill's pass, which counts as one."""
+        return max(0, self.plain_steps - 1)
+
+    @property
     def mean_decode_batch(self) -> float:
         """The batch it decoded in, on average over its decode steps (0.0 without any): requests join and
         leave a running batch, so the batch at its arrival says little of the steps it ran."""
