@@ -37,16 +37,35 @@ def running_app(args: dict, name: str, metrics_port: int | None = None, num_cpus
 
     from deployments.app import build_app
 
-    port = free_port()
     extra = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **extra)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_a_free_port()
         serve.run(build_app(args), name=name, route_prefix="/")
         yield {"url": f"http://127.0.0.1:{port}", "router": serve.get_deployment_handle("Router", name)}
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def start_serve_on_a_free_port(tries: int = 3, **start_options) -> int:
+    """Start Serve's proxy on a free port, and pick again if it was taken before the proxy bound it: Ray's
+    own processes also bind ephemeral ports, so a port found free can be gone a moment later."""
+    import ray
+    from ray import serve
+
+    for _ in range(tries - 1):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, **start_options)
+            return port
+        except ray.exceptions.RayTaskError as e:
+            if "Failed to bind" not in str(e):
+                raise
+            serve.shutdown()
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, **start_options)
+    return port
 
 
 def sse_event(line: str) -> dict | str | None:

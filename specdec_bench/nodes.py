@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from specdec_bench.local_app import free_port, serving_environment
+from specdec_bench.local_app import serving_environment, start_serve_on_a_free_port
 
 WORKERS = {"a": {"target_node": 1.0, "plain_slot": 1.0}, "b": {"draft_node": 1.0, "plain_slot": 1.0}}
 HEAD_RESOURCES = {"head_node": 1.0}
@@ -88,8 +88,7 @@ def running_cluster_app(args: dict, app: str, head_cpus: float = 2, worker_cpus:
         for name in WORKERS:
             nodes.add(name)
         ray.init(address=cluster.address, log_to_driver=False)
-        port = free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_a_free_port(proxy_location="HeadOnly")
         serve.run(build_app(args), name=app, route_prefix="/")
         yield {"url": f"http://127.0.0.1:{port}", "nodes": nodes, "router": serve.get_deployment_handle("Router", app)}
     finally:

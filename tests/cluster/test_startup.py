@@ -8,9 +8,10 @@ import time
 
 import httpx
 import pytest
-from served import app_args, free_port
+from served import app_args
 
-from specdec_bench.local_app import serving_environment
+from specdec_bench import local_app
+from specdec_bench.local_app import serving_environment, start_serve_on_a_free_port
 
 pytestmark = pytest.mark.timeout(240)
 APP = "startup"
@@ -31,10 +32,9 @@ def test_completions_are_refused_until_every_deployment_runs(tiny_models, tmp_pa
 
     broken = tmp_path / "calibration.json"
     broken.write_text("{not json")
-    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_a_free_port()
         # serve.run would wait for an app that never runs: deploy without waiting. (A thread left inside
         # serve.run outlived ray.shutdown(), re-initialised Ray on its own and, once that cluster went,
         # Ray's driver ended the whole pytest process with exit 1.)
@@ -56,5 +56,31 @@ def test_completions_are_refused_until_every_deployment_runs(tiny_models, tmp_pa
             assert r.json()["error"]["code"] == "starting"
             assert client.get("/health").status_code == 503
     finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_serve_starts_on_another_port_when_the_one_picked_is_taken_before_the_proxy_binds(monkeypatch):
+    """A port found free can be bound by one of Ray's own processes before Serve's proxy binds it (CI saw
+    "Failed to bind to address"): the start picks again."""
+    serving_environment()
+    import socket
+
+    import ray
+    from ray import serve
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], local_app.free_port()])
+    monkeypatch.setattr(local_app, "free_port", lambda: next(ports))
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        port = start_serve_on_a_free_port()
+        assert port != taken.getsockname()[1]
+        r = httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=10)
+        assert r.text == "Route table is not populated yet."  # Serve's proxy answers there (no app runs)
+    finally:
+        taken.close()
         serve.shutdown()
         ray.shutdown()
