@@ -7,11 +7,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where free_port looks: below Linux's ephemeral range (32768-60999), from which the OS hands out the
+# ports of bind(0) and of outgoing connections (Ray's processes take theirs there), and above Ray's
+# worker ports (10002-19999). A port found free here stays free unless someone asks for it by number.
+FREE_PORTS = range(20000, 32000)
 
 
 def serving_environment() -> None:
@@ -22,9 +27,16 @@ def serving_environment() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A 127.0.0.1 port free now, from ``FREE_PORTS``: one of the OS's choosing could be handed to one of
+    Ray's processes before whoever it was picked for binds it (CI: "Failed to bind to address")."""
+    for port in random.sample(FREE_PORTS, 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FREE_PORTS}")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,7 @@ import httpx
 
 from specdec_bench.common import load_prompts, machine_facts
 from specdec_bench.load import MODES, one_request
+from specdec_bench.local_app import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTERS = {  # Prometheus counter -> the response field summed for it
@@ -35,12 +35,6 @@ COUNTERS = {  # Prometheus counter -> the response field summed for it
     "ray_specdec_accepted_tokens_total": "accepted",
     "ray_specdec_requests_total": "requests",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dashboard_queries(path: Path) -> list[tuple[str, str]]:
@@ -56,7 +50,7 @@ class Prometheus:
         self.dir = Path(tempfile.mkdtemp(prefix="specdec-prom-"))
         text = config.read_text().replace("/tmp/ray/", f"{ray_temp.rstrip('/')}/")
         (self.dir / "prometheus.yml").write_text(text)
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen(
             [binary, f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}",
              f"--web.listen-address={self.url.removeprefix('http://')}"],

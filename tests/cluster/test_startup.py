@@ -60,6 +60,19 @@ def test_completions_are_refused_until_every_deployment_runs(tiny_models, tmp_pa
         ray.shutdown()
 
 
+def test_a_free_port_is_one_the_os_does_not_hand_out_on_its_own():
+    """Ray's processes bind ports of the OS's choosing (its ephemeral range) while a cluster starts: the
+    port picked for the proxy or the metrics agent comes from outside that range, and is free."""
+    import socket
+
+    low, _high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    for _ in range(20):
+        port = local_app.free_port()
+        assert port in local_app.FREE_PORTS and port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 def test_serve_starts_on_another_port_when_the_one_picked_is_taken_before_the_proxy_binds(monkeypatch):
     """A port found free can be bound by one of Ray's own processes before Serve's proxy binds it (CI saw
     "Failed to bind to address"): the start picks again."""
