@@ -61,8 +61,8 @@ def running_app(args: dict, name: str, metrics_port: int | None = None, num_cpus
 
 
 def start_serve_on_a_free_port(tries: int = 3, **start_options) -> int:
-    """Start Serve's proxy on a free port, and pick again if it was taken before the proxy bound it: Ray's
-    own processes also bind ephemeral ports, so a port found free can be gone a moment later."""
+    """Start Serve's proxy on a free port, and pick again if it was taken before the proxy bound it (a
+    process that asked for that port by number in between)."""
     import ray
     from ray import serve
 
