@@ -84,6 +84,8 @@ def calibrate(
     costs = dataclasses.replace(costs, context_len=context_len)
     if speculative and 2 in qs:
         costs = dataclasses.replace(costs, one_extra_s=_one_extra(engine, costs, context_len, steps, temperature))
+    if speculative:
+        costs = dataclasses.replace(costs, ragged_s=_ragged(engine, costs, context_len, steps, temperature, sweeps))
     long_context_len = min(long_context_len or 0, engine.max_model_len - (steps + 3) * max(qs))
     if long_context_len > context_len:
         costs = _context_slopes(engine, costs, qs, long_context_len, steps, temperature)
@@ -107,6 +109,24 @@ def _one_extra(engine: Engine, costs: StepCosts, context_len: int, steps: int, t
             continue
         verify, _ = _time_steps(engine, b, 0, context_len, steps, temperature, ks=[1] + [0] * (b - 1))
         out.append(min(max(verify, plain), two))
+    return tuple(out)
+
+
+def _ragged(engine: Engine, costs: StepCosts, context_len: int, steps: int, temperature: float, sweeps: int
+            ) -> tuple[float, ...]:
+    """Per batch, a verify with half its rows at K (the widest calibrated up to 4) and half plain against
+    the grid's uniform verify of the same tokens (``StepCosts.ragged_s``): the packed forward's own cost.
+    The fastest of ``sweeps`` timings, as the grid's cells."""
+    k = max(q for q in costs.qs if q <= 5) - 1
+    out = []
+    for b in costs.batches:
+        if b == 1 or k < 1:
+            out.append(0.0)
+            continue
+        ks = [k] * (b // 2) + [0] * (b - b // 2)
+        verify = min(_time_steps(engine, b, 0, context_len, max(2, steps // sweeps), temperature, ks=ks)[0]
+                     for _ in range(sweeps))
+        out.append(max(0.0, verify - costs.ragged_target_time(b, sum(ks))))
     return tuple(out)
 
 

@@ -116,6 +116,10 @@ class StepCosts:
     # verify's cost is a staircase in its tokens where the hardware has one: here a batch-16 forward
     # of 17 tokens cost 1.9x one of 16 (attention leaves the one-token kernel), 32 tokens hardly more.
     one_extra_s: tuple[float, ...] = ()
+    # Per batch, what a verify whose rows are at different widths (the runner's packed forward) costs
+    # beyond a uniform verify of the same tokens (empty: nothing): here ~0.5 ms at batch 2, ~1 ms at
+    # 4-8 and 2-3 ms at 16, 5-10% of the step; priced as uniform, plans with unequal rows were cheap.
+    ragged_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if list(self.batches) != sorted(set(self.batches)) or list(self.qs) != sorted(set(self.qs)):
@@ -141,6 +145,8 @@ class StepCosts:
             raise ValueError("draft_context_slope_s must have one entry per batch (or be one number)")
         if self.one_extra_s and len(self.one_extra_s) != len(self.batches):
             raise ValueError("one_extra_s must have one entry per batch")
+        if self.ragged_s and len(self.ragged_s) != len(self.batches):
+            raise ValueError("ragged_s must have one entry per batch")
 
     def at_context(self, context_len: int) -> StepCosts:
         """The same grid priced at ``context_len`` cached tokens per row (never below the measured one)."""
@@ -164,20 +170,26 @@ class StepCosts:
         per_batch = [_interp(self.qs, row, q) for row in self.target_s]
         return _interp(self.batches, per_batch, batch)
 
-    def ragged_target_time(self, batch: float, extra_tokens: float) -> float:
-        """A verify of ``batch`` rows and ``extra_tokens`` tokens beyond one per row, at any spread
-        over the rows: the grid at the mean width, except below one extra token per row, where the
-        measured first step of the staircase (``one_extra_s``) starts the line to two tokens a row. Less
-        than one token (an expected count: a proposer that delivers some of what it is asked) is that
-        share of the step."""
+    def ragged_target_time(self, batch: float, extra_tokens: float, uneven: bool = False) -> float:
+        """A verify of ``batch`` rows and ``extra_tokens`` tokens beyond one per row: the grid at the
+        mean width, except below one extra token per row, where the measured first step of the
+        staircase (``one_extra_s``) starts the line to two tokens a row. Less than one token (an
+        expected count: a proposer that delivers some of what it is asked) is that share of the step.
+        ``uneven``: the rows are at different widths, a packed forward (``ragged_s`` more; the first
+        step of the staircase is one already)."""
         if 0 < extra_tokens < 1:
             plain = self.target_time(batch, 1.0)
-            return plain + (self.ragged_target_time(batch, 1.0) - plain) * extra_tokens
+            return plain + (self.ragged_target_time(batch, 1.0, uneven) - plain) * extra_tokens
+        surcharge = self.ragged_surcharge(batch) if uneven and extra_tokens > 0 else 0.0
         if not self.one_extra_s or extra_tokens <= 0 or extra_tokens >= batch:
-            return self.target_time(batch, 1.0 + extra_tokens / batch)
+            return self.target_time(batch, 1.0 + extra_tokens / batch) + surcharge
         first = _interp(self.batches, self.one_extra_s, batch)
-        full = self.target_time(batch, 2)
+        full = self.target_time(batch, 2) + surcharge
         return first + (full - first) * (extra_tokens - 1) / max(1.0, batch - 1)
+
+    def ragged_surcharge(self, batch: float) -> float:
+        """What a verify of rows at different widths costs beyond the uniform one of its tokens (``ragged_s``)."""
+        return _interp(self.batches, self.ragged_s, batch) if self.ragged_s else 0.0
 
     def draft_time(self, batch: float) -> float:
         """t_D(b): one draft forward, one new token per row."""
@@ -207,6 +219,7 @@ class StepCosts:
             "draft_step_s": list(self.draft_step_s),
             "overlapped": list(self.overlapped),
             "one_extra_s": list(self.one_extra_s),
+            "ragged_s": list(self.ragged_s),
         }
 
     @classmethod
@@ -226,6 +239,7 @@ class StepCosts:
             draft_step_s=tuple(float(t) for t in d.get("draft_step_s", ())),
             overlapped=tuple(d.get("overlapped", ("separate",))),
             one_extra_s=tuple(float(t) for t in d.get("one_extra_s", ())),
+            ragged_s=tuple(float(t) for t in d.get("ragged_s", ())),
         )
 
 
@@ -287,22 +301,24 @@ class CostModel:
         rows_at = [sum(1 for k in ks if k > j) for j in range(depth)]
         draft_s = sum(self.costs.draft_time(n) for n in rows_at)
         return self.priced_ragged_step(batch, sum(ks), draft_s, rows_at[0] if rows_at else 0, topology, calibrated,
-                                       depth)
+                                       depth, uneven=min(ks, default=0) != depth)
 
     def priced_ragged_step(self, batch: int, extra_tokens: float, draft_s: float, draft_rows: int,
-                           topology: str = "colocated", calibrated: bool = False, depth: int = 1) -> float:
+                           topology: str = "colocated", calibrated: bool = False, depth: int = 1,
+                           uneven: bool = False) -> float:
         """``ragged_step_time`` from its parts: ``extra_tokens`` verify tokens beyond one per row (an
         expected count where a lookup proposes some of what it is asked), the draft's forwards
         (``draft_s``), ``draft_rows`` rows drafting, ``depth`` the widest row's K (what the drift
-        learns speculative steps by). The verify is priced by its tokens
-        (``StepCosts.ragged_target_time``): its projections cost by tokens, not by the widest row."""
+        learns speculative steps by), ``uneven`` whether its rows verify at different widths. The verify
+        is priced by its tokens (``StepCosts.ragged_target_time``): its projections cost by tokens, not
+        by the widest row; a packed forward costs its surcharge on top."""
         if float(extra_tokens).is_integer():  # a plan prices every width of its batch, step after step
-            key = ("ragged", batch, int(extra_tokens))
+            key = ("ragged", batch, int(extra_tokens), uneven)
             verify = self._parts_cache.get(key)
             if verify is None:
-                verify = self._parts_cache[key] = self.costs.ragged_target_time(batch, extra_tokens)
+                verify = self._parts_cache[key] = self.costs.ragged_target_time(batch, extra_tokens, uneven)
         else:  # expected counts differ step to step: cached, they would only grow the cache
-            verify = self.costs.ragged_target_time(batch, extra_tokens)
+            verify = self.costs.ragged_target_time(batch, extra_tokens, uneven)
         t = verify
         if extra_tokens:
             t += draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)

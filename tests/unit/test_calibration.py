@@ -1,6 +1,8 @@
 """Calibration (``specdec_core/calibration.py``): a cost grid measured through the engine's own steps."""
 
 
+import pytest
+
 from specdec_core import Engine, NgramProposer, calibration
 from specdec_core.calibration import calibrate
 
@@ -47,3 +49,23 @@ def test_ngram_calibration_times_full_width_verifies(tiny_models):
     calibrate(eng, batches=(1,), qs=(1, 9), steps=5)
     assert 8 in widths  # q = 9: K = 8 draft tokens verified, not plain steps labelled K+1
     assert isinstance(eng.proposer, NgramProposer)  # restored
+
+
+def test_calibration_times_a_packed_verify_against_the_uniform_one_of_its_tokens(tiny_models, monkeypatch):
+    """``StepCosts.ragged_s``: per batch, a verify with half the rows at K and half plain, less the grid's
+    uniform verify of the same tokens (nothing at batch 1, where rows cannot differ)."""
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256, max_batch_size=4)
+    real, packed = calibration._time_steps, []
+
+    def timed(engine, batch, k, *args, ks=None, **kwargs):
+        verify, propose = real(engine, batch, k, *args, ks=ks, **kwargs)
+        if ks is not None and list(ks) == [2, 2, 0, 0]:
+            packed.append(batch)
+            return 1.0, propose  # a packed verify of 1 s: the surcharge is what the grid does not explain
+        return verify, propose
+
+    monkeypatch.setattr(calibration, "_time_steps", timed)
+    costs = calibrate(eng, batches=(1, 4), qs=(1, 3))
+    assert packed == [4, 4]  # the fastest of two sweeps
+    assert costs.ragged_s[0] == 0.0
+    assert costs.ragged_s[1] == pytest.approx(1.0 - costs.ragged_target_time(4, 4))

@@ -224,3 +224,21 @@ def test_deep_plans_are_priced_by_how_deep_steps_ran():
             drift.observe(k, 1.5, 1.0, batch=8)
     shallow = plan_step(CostModel(COSTS, drift=drift), [HIGH] * 8, [None] * 8)
     assert 0 < max(shallow.ks) <= 2
+
+
+def test_rows_at_different_widths_pay_the_packed_verifys_surcharge():
+    """A verify whose rows differ in width runs packed, at ``ragged_s`` over the uniform verify of its
+    tokens: a plan is priced with it, so two rows a little apart in acceptance verify at one width
+    where the surcharge outweighs what the shallower row's last positions saved."""
+    costs = dataclasses.replace(COSTS, ragged_s=(0.0, 0.002, 0.004))
+    assert StepCosts.from_dict(costs.to_dict()) == costs
+    model, uniform_priced = CostModel(costs), CostModel(COSTS)
+    uneven = [4] * 4 + [0] * 4
+    assert model.ragged_step_time(8, uneven) == pytest.approx(uniform_priced.ragged_step_time(8, uneven) + 0.002)
+    assert model.ragged_step_time(8, [4] * 8) == pytest.approx(uniform_priced.ragged_step_time(8, [4] * 8))
+    rows = [survival([0.9] * 8), survival([0.8] * 8)]
+    apart = plan_step(uniform_priced, rows, [None, None])
+    assert apart.ks[0] > apart.ks[1] > 0
+    even = plan_step(CostModel(dataclasses.replace(COSTS, ragged_s=(0.0, 0.002, 0.002))), rows, [None, None])
+    assert even.ks[0] == even.ks[1]
+    assert even.step_s == pytest.approx(model.ragged_step_time(2, list(even.ks)))
