@@ -10,10 +10,10 @@ fewer tokens than asked (a lookup), the share of the row's asks that reached pos
 survival[K - 1] tokens on average.
 
 The step's cost is that of one ragged verify (``runner.py``: each row verifies its own K + 1 tokens,
-no padding to the widest; rows at different widths pay the packed forward's surcharge, ``StepCosts.ragged_s``)
-plus the draft's forwards (its j-th forward runs over the rows with K >= j) (``CostModel.ragged_step_time``).
-The planner admits draft positions best-survival first (vLLM's adaptive verification, PR #47808, scores
-(request, position) pairs the same way) and keeps the prefix
+no padding to the widest; rows at different widths pay the packed forward's surcharge,
+``StepCosts.ragged_s``) plus the draft's forwards (its j-th forward runs over the rows with K >= j)
+(``CostModel.ragged_step_time``). The planner admits draft positions best-survival first (vLLM's
+adaptive verification, PR #47808, scores (request, position) pairs the same way) and keeps the prefix
 of admissions at which the batch emits tokens fastest: each admission buys its survival in expected
 tokens for one more verify token (a staircase where the verify turns compute bound) and, when it
 deepens the draft, one more draft row. Rows with a K of their own (fixed K, an overlapped proposal,
@@ -160,4 +160,5 @@ class _RaggedPricer:
         return self.model.priced_ragged_step(self.batch, self.extra, self.draft_s,
                                              self.rows_at[0] if self.rows_at else 0, self.topology,
                                              depth=max(1, len(self.rows_at)),
-                                             uneven=any(n < self.batch for n in self.rows_at))
+                                             # rows_at falls with depth: rows differ iff the deepest has fewer
+                                             uneven=bool(self.rows_at) and self.rows_at[-1] < self.batch)
