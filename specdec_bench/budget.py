@@ -1,8 +1,9 @@
 """`specdec-bench budget`: budgeted verification against plain decoding and every fixed K, in process.
 
 Each cell keeps ``batch`` requests in flight (a finished one is replaced at the next step, as under a
-server's steady load) over four requests per slot, and is measured over its steady window (until the
-last request is admitted: the batch full throughout; ``Run``). The budgeted mode
+server's steady load) over four requests per slot (``MIN_RUN_TOKENS`` of output at least), each its own
+prompt, and is measured over its steady window (until the last request is admitted: the batch full
+throughout; ``Run``). The budgeted mode
 (``specdec_core/step_planner.py``) chooses each row's K every step for the batch as a whole and
 verifies the rows at their own widths (the runner's packed forward). It is measured beside plain,
 fixed K = 1, 2, 4, 8 and auto (adaptive K per request, ``adaptive.py``) over a batch sweep of one
@@ -21,6 +22,7 @@ expectation (``planned``: what its plans expected to buy, step by step) is repor
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -43,6 +45,9 @@ CALIBRATION = {"batches": BATCHES, "qs": (1, 2, 3, 5, 9), "long_context_len": 25
 K_MAX = 8  # auto's and the budget's cap
 MIXED_NEW_TOKENS = 128  # the mixed cells' mean output length (``build_cells``); the prose sweep's is 32
 WAVES = 4  # requests per batch slot in a cell's run (the steady window: all but the last)
+# Output tokens a run has at least: at batch 1-2, four waves of 32-token outputs are 4-8 requests, which leaves a
+# cell's measured speedups, and the acceptance the budget learns, to a handful of texts (prose b2 saw two).
+MIN_RUN_TOKENS = 768
 
 
 @dataclass(frozen=True)
@@ -112,11 +117,17 @@ class Engines:
         return self._engines[proposer]
 
 
+def requests_per_run(cell: BudgetCell) -> int:
+    return max(WAVES * cell.batch, -(-MIN_RUN_TOKENS // cell.max_new_tokens))
+
+
 def cell_prompts(cell: BudgetCell, models_dir) -> list[tuple[str, float]]:
+    """(prompt, temperature) of each request of a run: request i is of the row set ``cell.rows[i % len]``
+    and takes that set's next prompt (distinct requests, as a server sees, until the set is used up)."""
     sets = {name: load_prompts(name, models_dir=models_dir) for name, _ in cell.rows}
     taken = {name: 0 for name in sets}
     out = []
-    for i in range(cell.batch):
+    for i in range(requests_per_run(cell)):
         name, temperature = cell.rows[i % len(cell.rows)]
         prompts = sets[name]
         out.append((prompts[taken[name] % len(prompts)], temperature))
@@ -154,11 +165,11 @@ def output_len(cell: BudgetCell, i: int) -> int:
 
 
 def run_mode(engine: Engine, cell: BudgetCell, rows: list[tuple[str, float]], mode: str, seed: int) -> Run:
-    """``WAVES`` x batch requests through the engine, ``cell.batch`` of them in flight at any time (a
-    finished request's place is taken at the next step, as in a server under steady load)."""
+    """``rows`` (one per request, ``cell_prompts``) through the engine, ``cell.batch`` of them in flight at
+    any time (a finished request's place is taken at the next step, as in a server under steady load)."""
     engine.adaptive.budgeted = mode == "budget"
-    total = WAVES * len(rows)
-    queue = [(i, rows[i % len(rows)]) for i in range(total)]
+    total = len(rows)
+    queue = list(enumerate(rows))
     outs, trace, in_flight, window = {}, [], 0, None
     t0 = time.perf_counter()
     while queue or engine.has_work():
@@ -186,15 +197,28 @@ def priced_seconds(view: CostView, greedy: bool, run: Run) -> float:
                               if s.batch else 0.0) for s in run.steps)
 
 
+def _run_with(engine: Engine, tracker, cell: BudgetCell, rows: list[tuple[str, float]], mode: str, seed: int) -> Run:
+    engine.adaptive.tracker = tracker
+    return run_mode(engine, cell, rows, mode, seed)
+
+
 def run_cell(engines: Engines, cell: BudgetCell, reps: int, models_dir) -> BudgetResult:
     engine = engines.get(cell.proposer)
     rows = cell_prompts(cell, models_dir)
-    run_mode(engine, cell, rows, "k4", seed=0)  # warm the shapes
+    # Each mode learns acceptance from its own steps only, as a server running it would. Rates by draft
+    # position depend on the K policy that judged them (a deep K's first position starts more often where a
+    # run of agreement ended), so a class shared with the fixed-K runs priced the budget's deep positions with
+    # k8's runs of full acceptance and k1's first positions (prose b2: mean K 6.3 against 3.6-4.0 alone).
+    fresh = engine.adaptive.tracker
+    trackers = {m: copy.deepcopy(fresh) for m in MODES}
+    for mode in ("auto", "budget"):  # the adaptive modes' warm-up (and the shapes')
+        _run_with(engine, trackers[mode], cell, rows, mode, seed=0)
     runs: dict[str, list[Run]] = {m: [] for m in MODES}
     for rep in range(reps):
         order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
         for mode in order:
-            runs[mode].append(run_mode(engine, cell, rows, mode, seed=1000 * rep))
+            runs[mode].append(_run_with(engine, trackers[mode], cell, rows, mode, seed=1000 * rep))
+    engine.adaptive.tracker = fresh
     tok_s = {m: statistics.median(r.tok_s for r in runs[m]) for m in MODES}
     speedup = {m: statistics.median(r.tok_s / p.tok_s for p, r in zip(runs["plain"], runs[m])) for m in MODES}
     fixed = [f"k{k}" for k in FIXED_KS]

@@ -248,3 +248,23 @@ def test_a_pass_predicted_speedup_is_its_tokens_over_their_predicted_plain_time(
     results = [{"tokens": 40, "predicted": 2.0}, {"tokens": 10, "predicted": 1.0}]
     assert predicted_speedup(results) == pytest.approx(50 / 30)
     assert predicted_speedup([{"tokens": 8, "predicted": 1.0}] * 3) == 1.0
+
+
+def test_budget_cells_keep_each_modes_acceptance_to_its_own_runs(family):
+    """Rates by draft position depend on the K policy that judged them, so the budget must not plan with what
+    the fixed-K runs taught (nor leave the engine's tracker changed for the next cell)."""
+    from specdec_bench.budget import BudgetCell, Engines, run_cell
+
+    engines = Engines(family, 4)
+    engine = engines.get("draft")
+    fresh, observe = engine.adaptive.tracker, engine.adaptive.observe
+    seen: dict[bool, set[int]] = {True: set(), False: set()}  # budgeted run? -> trackers it taught
+
+    def spy(cls, proposed, accepted):
+        seen[engine.adaptive.budgeted].add(id(engine.adaptive.tracker))
+        observe(cls, proposed, accepted)
+
+    engine.adaptive.observe = spy
+    run_cell(engines, BudgetCell("prose b2", "draft", 2, (("prose", 0.0),), 8), 1, family)
+    assert seen[True] and seen[False] and not seen[True] & seen[False]
+    assert engine.adaptive.tracker is fresh and fresh.evidence(engine.adaptive.traffic_class(0.0, "prose")) == 0
