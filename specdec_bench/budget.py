@@ -11,7 +11,8 @@ traffic, and on mixed batches whose rows differ in acceptance (half repetitive p
 prose at T=1, over the n-gram proposer and over the distilled draft; half code at T=1, over the n-gram
 proposer), where one K for all rows cannot do what a K per row does; for those it reports where each
 mode's draft tokens went (``acceptance_by_rows``). Modes are interleaved rep by rep; a cell's tokens/s
-is the median over reps.
+is the median over reps. Each mode learns acceptance from its own runs only (a tracker of its own per
+cell; auto and the budget warm theirs with one run first), as a server running that mode would.
 
 Predicted, per mode: the steps each run took in its window (each decode step's rows and their K),
 priced with the engine's calibration as ragged steps (``CostModel.ragged_step_time``) at the context
