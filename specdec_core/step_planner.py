@@ -16,16 +16,18 @@ no padding to the widest; rows at different widths pay the packed forward's surc
 adaptive verification, PR #47808, scores (request, position) pairs the same way) and keeps the prefix
 of admissions at which the batch emits tokens fastest: each admission buys its survival in expected
 tokens for one more verify token (a staircase where the verify turns compute bound) and, when it
-deepens the draft, one more draft row. Rows with a K of their own (fixed K, an overlapped proposal,
-a failed draft at 0) are planned around, not re-chosen. A row the draft is behind on (a new request's
-prompt, the tokens of its plain steps) pays for the catch-up when it starts, spread over the steps
-it can be expected to speculate for (``AdaptiveK.plan_budget``). Speculation must beat a plain step
-by ``margin`` to run. Pure: no torch, no I/O.
+deepens the draft, one more draft row. The walk is repeated under caps on depth: a draft forward is
+paid per depth, and the uncapped walk deepens its best rows before it starts the others. Rows with a K
+of their own (fixed K, an overlapped proposal, a failed draft at 0) are planned around, not re-chosen.
+A row the draft is behind on (a new request's prompt, the tokens of its plain steps) pays for the
+catch-up when it starts, spread over the steps it can be expected to speculate for
+(``AdaptiveK.plan_budget``). Speculation must beat a plain step by ``margin`` to run. Pure: no torch,
+no I/O.
 """
 
 from __future__ import annotations
 
-import heapq
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,33 +106,62 @@ def budgeted_choice(model: CostModel, batch: int, rates: Sequence[float], topolo
 
 def _admit(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Sequence[int | None], topology: str,
            start_s: Sequence[float], coverage: Sequence[Sequence[float]]) -> tuple[list[int], float, float]:
-    """Draft positions admitted best survival first; (K per row, tokens per second, step seconds) of
-    the fastest prefix of admissions."""
+    """Draft positions admitted best survival first; (K per row, tokens per second, step seconds) of the
+    fastest prefix of admissions, under no cap on depth or any.
+
+    A draft forward is paid per depth, not per row, and one walk by survival deepens the best row before
+    it starts the next: beside a row at 0.9, 0.8, one at 0.5 starts after the first has deepened, so both
+    rows at K=1 is never priced (the memory-bound family at batch 2 ran (0, 1) steps at 201 tok/s where
+    (1, 1) measured 272). So the walk also runs under each cap D on depth: it is the uncapped walk up to
+    that walk's first position deeper than D, and goes on from there without them. Caps deeper than one
+    past the best plan's are not walked (they drop only what the walks ranked last): at batch 64, walking
+    every cap tripled a plan's time, to ~3 ms."""
     batch = len(survivals)
     ks = [f or 0 for f in fixed]
-    expected = batch + sum(sum(s[:k]) for s, k in zip(survivals, ks))
     pricer = _RaggedPricer(model, batch, ks, topology, sum(t for t, k in zip(start_s, ks) if k))
-    best_ks, best_rate, best_s = list(ks), expected / pricer.step_s(), pricer.step_s()
-    # Candidates: each free row's next position, best survival first (a row's survival falls with depth,
-    # so the heap admits a row's positions in order).
-    heap = [(-s[0], i) for i, (s, f) in enumerate(zip(survivals, fixed)) if f is None and s]
-    heapq.heapify(heap)
-    left = sum(sum(s) for s, f in zip(survivals, fixed) if f is None)  # expected tokens not yet admitted
-    while heap:
-        # The step costs only more from here: even every candidate at the current cost cannot win.
-        if (expected + left) / pricer.step_s() <= best_rate:
+    expected = batch + sum(sum(s[:k]) for s, k in zip(survivals, ks))
+    # Candidates (survival, position, row): every free row's positions, best survival first (a row's
+    # survival falls with depth, so its positions come in order).
+    order = sorted(((s[j], j + 1, i) for i, (s, f) in enumerate(zip(survivals, fixed)) if f is None
+                    for j in range(len(s))), key=lambda c: (-c[0], c[1]))
+    step_s = pricer.step_s()
+    forks: dict[int, tuple] = {}
+    best = _walk(order, 0, len(order), ks, expected, pricer, start_s, coverage, (list(ks), expected / step_s, step_s),
+                 forks)
+    for cap, (at, ks_at, expected_at, pricer_at) in sorted(forks.items()):
+        if cap > max(best[0], default=0) + 1:
             break
-        gain, i = heapq.heappop(heap)
+        best = _walk(order, at, cap, ks_at, expected_at, pricer_at, start_s, coverage, best)
+    return best
+
+
+def _walk(order: list[tuple[float, int, int]], start: int, cap: int, ks: list[int], expected: float,
+          pricer: _RaggedPricer, start_s: Sequence[float], coverage: Sequence[Sequence[float]],
+          best: tuple[list[int], float, float], forks: dict[int, tuple] | None = None
+          ) -> tuple[list[int], float, float]:
+    """Admit ``order[start:]``'s positions up to ``cap`` in turn from the plan ``ks`` (``expected`` tokens,
+    priced by ``pricer``); ``best``, the fastest plan so far, updated. ``forks``: where given, filled with
+    the walk's state before its first position deeper than each depth."""
+    left = sum(gain for gain, position, _ in order[start:] if position <= cap)  # expected tokens not admitted
+    floor_s = pricer.floor_s()
+    for at in range(start, len(order)):
+        gain, position, i = order[at]
+        if position > cap:
+            continue
+        # The step costs only more from here (the packed surcharge aside: rows that even out drop it).
+        if (expected + left) / floor_s <= best[1]:
+            break
+        if forks is not None and position > 1 and position - 1 not in forks:
+            forks[position - 1] = (at, list(ks), expected, pricer.copy())
         ks[i] += 1
-        expected -= gain
-        left += gain
-        pricer.admit(ks[i], start_s[i] if ks[i] == 1 else 0.0, coverage[i][ks[i] - 1])
-        if ks[i] < len(survivals[i]):
-            heapq.heappush(heap, (-survivals[i][ks[i]], i))
-        rate = expected / pricer.step_s()
-        if rate > best_rate:
-            best_ks, best_rate, best_s = list(ks), rate, pricer.step_s()
-    return best_ks, best_rate, best_s
+        expected += gain
+        left -= gain
+        pricer.admit(position, start_s[i] if position == 1 else 0.0, coverage[i][position - 1])
+        step_s = pricer.step_s()
+        floor_s = pricer.floor_s() if pricer.uneven() else step_s
+        if expected / step_s > best[1]:
+            best = (list(ks), expected / step_s, step_s)
+    return best
 
 
 class _RaggedPricer:
@@ -156,9 +187,23 @@ class _RaggedPricer:
         self.draft_s += draft_time(n + 1) - (draft_time(n) if n else 0.0)
         self.rows_at[position - 1] = n + 1
 
+    def copy(self) -> _RaggedPricer:
+        twin = copy.copy(self)
+        twin.rows_at = list(self.rows_at)
+        return twin
+
+    def uneven(self) -> bool:
+        """Do the rows verify at different widths? (rows_at falls with depth: iff the deepest has fewer)"""
+        return bool(self.rows_at) and self.rows_at[-1] < self.batch
+
     def step_s(self) -> float:
+        return self._priced(self.uneven())
+
+    def floor_s(self) -> float:
+        """The step as if its rows were even: what admitting more positions cannot make cheaper."""
+        return self._priced(uneven=False)
+
+    def _priced(self, uneven: bool) -> float:
         return self.model.priced_ragged_step(self.batch, self.extra, self.draft_s,
                                              self.rows_at[0] if self.rows_at else 0, self.topology,
-                                             depth=max(1, len(self.rows_at)),
-                                             # rows_at falls with depth: rows differ iff the deepest has fewer
-                                             uneven=bool(self.rows_at) and self.rows_at[-1] < self.batch)
+                                             depth=max(1, len(self.rows_at)), uneven=uneven)
