@@ -69,3 +69,27 @@ def test_calibration_times_a_packed_verify_against_the_uniform_one_of_its_tokens
     assert packed == [4, 4]  # the fastest of two sweeps
     assert costs.ragged_s[0] == 0.0
     assert costs.ragged_s[1] == pytest.approx(1.0 - costs.ragged_target_time(4, 4))
+
+
+def test_context_slopes_keep_each_timings_fastest_sweep(tiny_models, monkeypatch):
+    """Each long-context timing keeps its fastest of two sweeps, as the grid's cells do: a burst of
+    noise over one does not become a slope (it priced batch 2 at context 256 1.6x what its steps
+    took). In one sweep it would."""
+    eng = Engine.from_pretrained(tiny_models["target"], tiny_models["draft"], max_model_len=256, max_batch_size=4)
+    real, long_calls = calibration._time_steps, []
+
+    def bursty(engine, batch, k, context_len, *args, **kwargs):
+        verify, propose = real(engine, batch, k, context_len, *args, **kwargs)
+        if context_len == 128:
+            long_calls.append(k)
+            if len(long_calls) == 1:
+                return verify + 1.0, propose + 1.0
+        return verify, propose
+
+    monkeypatch.setattr(calibration, "_time_steps", bursty)
+    costs = calibrate(eng, batches=(1,), qs=(1, 3), long_context_len=128)
+    assert long_calls == [0, 2, 0, 2]  # the narrowest and widest verify, twice
+    assert costs.context_slope_s[0][0] < 1.0 / 64 / 2  # the burst, spread over 64 tokens, would be 1/64 s a token
+    long_calls.clear()
+    one = calibrate(eng, batches=(1,), qs=(1, 3), long_context_len=128, sweeps=1)
+    assert one.context_slope_s[0][0] > 1.0 / 64 * 0.9
