@@ -117,6 +117,12 @@ class Engines:
             self._engines[proposer] = eng
         return self._engines[proposer]
 
+    def costs(self) -> dict[str, dict]:
+        """Per proposer, the step costs its engine planned with (greedy and sampling path): a cell's
+        choices follow its calibration, which moves from run to run on a shared machine."""
+        return {p: {"greedy": e.adaptive.view.costs.to_dict(), "sampled": e.adaptive.view.sampled_costs.to_dict()}
+                for p, e in self._engines.items()}
+
 
 def requests_per_run(cell: BudgetCell) -> int:
     return max(WAVES * cell.batch, -(-MIN_RUN_TOKENS // cell.max_new_tokens))
@@ -283,6 +289,7 @@ def run_budget(args) -> dict:
     return {
         "machine": machine_facts(args.threads),
         "config": {"reps": reps, "models": str(models_dir), "batches": list(batches), "k_max": K_MAX},
+        "costs": engines.costs(),
         "cells": [asdict(r) for r in results],
     }
 

@@ -338,9 +338,9 @@ class AdaptiveK:
         a K it keeps (None: planned), its steps since it last proposed. A row plain for
         ``probe_every`` steps (if its draft's catch-up is affordable, ``_probe_affordable``: a probe of a row
         whose draft has fallen far behind paid a whole prefill for one token's chance), or one of a class
-        without evidence, is priced as a probe: one draft
-        token at ``PROBE_CEILING`` (would it pay were acceptance back?), so that evidence can return
-        where the plan would take it; a batch where even that does not pay stays plain. A batch with
+        without evidence, probes: one draft token (``PROBE_K``) wherever the plan would speculate on it
+        were its acceptance back (``PROBE_CEILING``, ``_probe_pays``), so that evidence can return where
+        the plan would take it; where even that would not pay it stays plain. A batch with
         any sampled row is priced on the sampling path. ``catch_up``: per row, the tokens the draft
         has not seen; beyond the one a speculative step feeds anyway, their prefill is charged to the
         row's first draft position, spread over its ``remaining`` tokens at its expected tokens per
@@ -353,7 +353,7 @@ class AdaptiveK:
         batch = len(classes)
         priors: dict[tuple, list[float]] = {}  # a step's rows share a few classes: their rates once per plan
         probe_best: dict[int, KChoice] = {}  # by K cap: what a probe's row could save, once per plan
-        survivals, coverage = [], []
+        survivals, coverage, probe_caps = [], [], {}  # probe_caps: a probing row's index -> its K cap
         coverages = coverages or [None] * len(classes)
         for cls, (acc, judged, estimate), k, f, run, cover, n, left in zip(
                 classes, evidence, k_maxes, fixed, plain_runs, coverages, catch_up, remaining):
@@ -368,6 +368,7 @@ class AdaptiveK:
                 survivals.append(())
             elif probe:
                 survivals.append((PROBE_CEILING,))
+                probe_caps[len(survivals) - 1] = k
             else:
                 key = (cls, estimate, k)
                 if key not in priors:
@@ -379,7 +380,20 @@ class AdaptiveK:
         per_token = model.costs.draft_prefill_s_per_token
         start_s = [(n - 1) * per_token * min(1.0, (1.0 + sum(s)) / max(1, left))
                    for n, left, s in zip(catch_up, remaining, survivals)]
+        if probe_caps and self._probe_pays(model, survivals, fixed, start_s, probe_caps):
+            fixed = [PROBE_K if i in probe_caps else f for i, f in enumerate(fixed)]
         return plan_step(model, survivals, fixed, self.topology, start_s=start_s, coverage=coverage)
+
+    def _probe_pays(self, model: CostModel, survivals: list, fixed: list[int | None], start_s: list[float],
+                    probe_caps: dict[int, int]) -> bool:
+        """Would the plan speculate on the probing rows were their acceptance back (``PROBE_CEILING`` at
+        every position up to their caps)? Then they probe at ``PROBE_K`` whatever one draft token buys this
+        step: as the per-request path asks it (``best_k`` at the ceiling). Priced at one token, a probe at
+        batch 4 or more rarely beats the plan's margin, and a class that never probes never learns
+        (mixed-draft b4: 6 draft tokens in a run where k2 won 1.20x plain)."""
+        back = [survival([PROBE_CEILING] * probe_caps[i]) if i in probe_caps else s for i, s in enumerate(survivals)]
+        plan = plan_step(model, back, fixed, self.topology, start_s=start_s)
+        return any(plan.ks[i] for i in probe_caps)
 
     def _unexplored(self, cls: TrafficClass, judged: list[int], class_estimate: float | None) -> bool:
         """A row that knows nothing of its acceptance (no judged token, a class with less evidence

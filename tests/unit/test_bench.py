@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from specdec_bench.cli import main
+from specdec_core.costmodel import StepCosts
 
 CELL_KEYS = {
     "regime", "draft", "batch", "temperature", "k", "plain_tok_s", "spec_tok_s", "auto_tok_s", "speedup",
@@ -60,6 +61,10 @@ def test_budget_sweep_writes_every_mode_measured_and_predicted(family, tmp_path)
     data = json.loads((tmp_path / "budget.json").read_text())
     names = {c["cell"] for c in data["cells"]}
     assert names == {"prose b2", "mixed b2", "mixed-draft b2"}
+    # The calibrations the cells planned with, per proposer and path, as calibration files hold them.
+    assert set(data["costs"]) == {"draft", "ngram"}
+    for paths in data["costs"].values():
+        assert {p: StepCosts.from_dict(c).batches for p, c in paths.items()} == {"greedy": (1, 2), "sampled": (1, 2)}
     assert all(c["max_new_tokens"] == 16 for c in data["cells"])
     for cell in data["cells"]:
         modes = {"plain", "k1", "k2", "k4", "k8", "auto", "budget"}

@@ -155,6 +155,26 @@ def test_a_class_without_evidence_probes_then_follows_what_it_learns():
     assert policy.plan_budget(**rows, plain_runs=[policy.probe_every] * 8).ks == (1,) * 8
 
 
+def test_a_batch_probes_where_speculation_would_pay_were_acceptance_back():
+    """A probe asks whether speculation would pay were acceptance back, as the per-request path does, not
+    whether one draft token pays this step. With a draft step of 6 ms, one token on each of 4 unexplored
+    rows does not beat the plan's margin, but deep drafts at the ceiling would: the rows probe (in the
+    sweep, such a batch never probed and ran plain where k2 won 1.20x). A draft so slow that nothing
+    at the ceiling pays leaves the batch plain."""
+    from specdec_core import AcceptanceTracker, AdaptiveK, TrafficClass
+    from specdec_core.cost_view import CostView
+    from specdec_core.costmodel import PROBE_CEILING
+
+    rows = dict(classes=[TrafficClass.of("draft", 0.0)] * 4, evidence=[([], [], None)] * 4, k_maxes=[8] * 4,
+                fixed=[None] * 4, context_len=64, plain_runs=[0] * 4, catch_up=[1] * 4, remaining=[32] * 4)
+    for draft_step_s, probes in ((0.006, True), (0.05, False)):
+        costs = dataclasses.replace(COSTS, draft_step_s=(draft_step_s,) * len(COSTS.batches))
+        policy = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.3), "draft", budgeted=True)
+        one_token = plan_step(CostModel(costs), [(PROBE_CEILING,)] * 4, [None] * 4)
+        assert one_token.ks == (0,) * 4  # what the probe was priced at before
+        assert policy.plan_budget(**rows).ks == ((1,) * 4 if probes else (0,) * 4)
+
+
 def test_a_due_probe_waits_while_its_drafts_catch_up_costs_more_than_it_may_save():
     """As per request (``AdaptiveK._probe_affordable``): a row plain long enough for a probe, its draft
     400 tokens behind with 64 tokens left, stays plain (its catch-up spread over what is left would have
