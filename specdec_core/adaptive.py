@@ -389,8 +389,7 @@ class AdaptiveK:
         """Would the plan speculate on the probing rows were their acceptance back (``PROBE_CEILING`` at
         every position up to their caps)? Then they probe at ``PROBE_K`` whatever one draft token buys this
         step: as the per-request path asks it (``best_k`` at the ceiling). Priced at one token, a probe at
-        batch 4 or more rarely beats the plan's margin, and a class that never probes never learns
-        (mixed-draft b4: 6 draft tokens in a run where k2 won 1.20x plain)."""
+        batch 4 or more rarely beats the plan's margin, and a class that never probes never learns."""
         back = [survival([PROBE_CEILING] * probe_caps[i]) if i in probe_caps else s for i, s in enumerate(survivals)]
         plan = plan_step(model, back, fixed, self.topology, start_s=start_s)
         return any(plan.ks[i] for i in probe_caps)

@@ -158,9 +158,8 @@ def test_a_class_without_evidence_probes_then_follows_what_it_learns():
 def test_a_batch_probes_where_speculation_would_pay_were_acceptance_back():
     """A probe asks whether speculation would pay were acceptance back, as the per-request path does, not
     whether one draft token pays this step. With a draft step of 6 ms, one token on each of 4 unexplored
-    rows does not beat the plan's margin, but deep drafts at the ceiling would: the rows probe (in the
-    sweep, such a batch never probed and ran plain where k2 won 1.20x). A draft so slow that nothing
-    at the ceiling pays leaves the batch plain."""
+    rows does not beat the plan's margin, but deep drafts at the ceiling would: the rows probe. A draft
+    so slow that nothing at the ceiling pays leaves the batch plain."""
     from specdec_core import AcceptanceTracker, AdaptiveK, TrafficClass
     from specdec_core.cost_view import CostView
     from specdec_core.costmodel import PROBE_CEILING
