@@ -197,10 +197,11 @@ def run_mode(engine: Engine, cell: BudgetCell, rows: list[tuple[str, float]], mo
     return Run(seconds, sum(s.emitted + s.prefill_rows for s in steps), steps, [outs[f"r{i}"] for i in range(total)])
 
 
-def priced_seconds(view: CostView, greedy: bool, run: Run) -> float:
+def priced_seconds(view: CostView, sampled_share: float, run: Run) -> float:
     """The run's steady window as the cost model prices it: each decode step a ragged step at its batch,
-    its rows' K and its context, each prefill as measured (the same work in every mode)."""
-    return sum(s.prefill_s + (view.model(greedy, s.context_len).ragged_step_time(s.batch, list(s.ks))
+    its rows' K and its context (on the cell's share of sampled rows), each prefill as measured (the same
+    work in every mode)."""
+    return sum(s.prefill_s + (view.model_at(sampled_share, s.context_len).ragged_step_time(s.batch, list(s.ks))
                               if s.batch else 0.0) for s in run.steps)
 
 
@@ -234,8 +235,8 @@ def run_cell(engines: Engines, cell: BudgetCell, reps: int, models_dir) -> Budge
     # five noisy modes per rep would be biased high).
     best = best_fixed if tok_s[best_fixed] > tok_s["plain"] else "plain"
     per_rep = [b.tok_s / x.tok_s for b, x in zip(runs["budget"], runs[best])]
-    greedy = all(t == 0 for _, t in cell.rows)
-    priced = {m: [r.tokens / priced_seconds(engine.adaptive.view, greedy, r) for r in runs[m]] for m in MODES}
+    sampled_share = sum(1 for _, t in cell.rows if t) / len(cell.rows)
+    priced = {m: [r.tokens / priced_seconds(engine.adaptive.view, sampled_share, r) for r in runs[m]] for m in MODES}
     predicted = {m: statistics.median(x / p for p, x in zip(priced["plain"], priced[m])) for m in MODES}
     steps = {m: [s for r in runs[m] for s in r.steps if s.batch] for m in MODES}
     planned = [s.planned_speedup for s in steps["budget"] if s.planned_speedup]

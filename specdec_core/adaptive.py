@@ -188,6 +188,10 @@ class AdaptiveK:
     def cost_model_for(self, cls: TrafficClass, context_len: int = 0) -> CostModel:
         return self.view.model_for(cls, context_len)
 
+    def step_model(self, classes: list[TrafficClass], context_len: int = 0) -> CostModel:
+        """What a step of these rows costs (``CostView.model_for_batch``): what it is planned and learnt at."""
+        return self.view.model_for_batch(classes, context_len)
+
     def adopt_drift(self, drift) -> None:
         """Price with the router's drift (``StepDrift``), which it learns from served steps: one owner."""
         self.view.adopt(drift)
@@ -274,10 +278,10 @@ class AdaptiveK:
                                                      probe_every=1, probe_k=PROBE_K)
         return k
 
-    def observe_step(self, cls: TrafficClass, context_len: int, batch: int, k: int, seconds: float) -> None:
-        """A decode step whose rows all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
-        calibrated = self.cost_model_for(cls, context_len).calibrated_step_time(batch, k, self.topology)
-        self._observe(k, batch, seconds, calibrated)
+    def observe_step(self, classes: list[TrafficClass], context_len: int, k: int, seconds: float) -> None:
+        """A decode step whose rows (of ``classes``) all ran at K (K=0: plain) took ``seconds`` (propose + verify)."""
+        calibrated = self.step_model(classes, context_len).calibrated_step_time(len(classes), k, self.topology)
+        self._observe(k, len(classes), seconds, calibrated)
 
     def _observe(self, k: int, batch: int, seconds: float, calibrated: float) -> None:
         self.measured.observe(k, seconds, calibrated, batch)
@@ -314,7 +318,7 @@ class AdaptiveK:
         if not speculating:
             return ks
         acceptances = [self.acceptance(cls, *row) for cls, row in zip(classes, evidence)]
-        model = self.cost_model_for(classes[min(speculating)], context_len)
+        model = self.step_model(classes, context_len)
         lifts = [0 if k else cap for k, cap in zip(ks, lift_caps)]  # a row that speculates keeps its K
         mixes = [[0 if i in speculating else k for i, k in enumerate(ks)], ks]
         mixes += [[min(lift, depth) if lift else k for k, lift in zip(ks, lifts)] for depth in range(1, max(lifts) + 1)]
@@ -340,16 +344,15 @@ class AdaptiveK:
         whose draft has fallen far behind paid a whole prefill for one token's chance), or one of a class
         without evidence, probes: one draft token (``PROBE_K``) wherever the plan would speculate on it
         were its acceptance back (``PROBE_CEILING``, ``_probe_pays``), so that evidence can return where
-        the plan would take it; where even that would not pay it stays plain. A batch with
-        any sampled row is priced on the sampling path. ``catch_up``: per row, the tokens the draft
+        the plan would take it; where even that would not pay it stays plain. A batch is priced by
+        its share of sampled rows (``step_model``). ``catch_up``: per row, the tokens the draft
         has not seen; beyond the one a speculative step feeds anyway, their prefill is charged to the
         row's first draft position, spread over its ``remaining`` tokens at its expected tokens per
         step (a new request pays for its prompt once, over the steps it speculates). ``coverages``: per
         row, how much of what it asked its proposer for came back (a lookup proposes only what followed
         its match): a position yields its survival, and costs its verify token, only as often as it is
         proposed (a probe asks as if it always were: it is there to find out)."""
-        sampled = next((c for c in classes if c.temperature_bucket != "greedy"), classes[0])
-        model = self.cost_model_for(sampled, context_len)
+        model = self.step_model(classes, context_len)
         batch = len(classes)
         priors: dict[tuple, list[float]] = {}  # a step's rows share a few classes: their rates once per plan
         probe_best: dict[int, KChoice] = {}  # by K cap: what a probe's row could save, once per plan
@@ -382,7 +385,8 @@ class AdaptiveK:
                    for n, left, s in zip(catch_up, remaining, survivals)]
         if probe_caps and self._probe_pays(model, survivals, fixed, start_s, probe_caps):
             fixed = [PROBE_K if i in probe_caps else f for i, f in enumerate(fixed)]
-        return plan_step(model, survivals, fixed, self.topology, start_s=start_s, coverage=coverage)
+        return plan_step(model, survivals, fixed, self.topology, start_s=start_s, coverage=coverage,
+                         unmeasured=lambda k: not self.view.drift.explored(k, batch, self.topology))
 
     def _probe_pays(self, model: CostModel, survivals: list, fixed: list[int | None], start_s: list[float],
                     probe_caps: dict[int, int]) -> bool:
@@ -404,9 +408,11 @@ class AdaptiveK:
         router's estimate for the class, when given, at every position)."""
         return self.tracker.rates_by_position(cls, k) if class_estimate is None else [class_estimate] * k
 
-    def observe_ragged_step(self, cls: TrafficClass, context_len: int, ks: list[int], seconds: float) -> None:
-        """A decode step whose rows ran at their own K (a budgeted plan) took ``seconds``."""
-        calibrated = self.cost_model_for(cls, context_len).ragged_step_time(len(ks), ks, self.topology, calibrated=True)
+    def observe_ragged_step(self, classes: list[TrafficClass], context_len: int, ks: list[int], seconds: float
+                            ) -> None:
+        """A decode step whose rows (of ``classes``) ran at their own K (a budgeted plan) took ``seconds``."""
+        calibrated = self.step_model(classes, context_len).ragged_step_time(len(ks), ks, self.topology,
+                                                                            calibrated=True)
         self._observe(max(ks), len(ks), seconds, calibrated)
 
     def _probe_affordable(self, model: CostModel, batch: int, a: float, k_max: int, remaining_tokens: int,

@@ -165,6 +165,32 @@ class StepCosts:
             context_len=context_len,
         )
 
+    def blend(self, other: StepCosts, weight: float) -> StepCosts:
+        """These costs moved ``weight`` of the way to ``other``'s (calibrated on the same grid): a batch
+        whose rows take two paths (``verifier.py`` verifies greedy rows by argmax and sampled rows by
+        rejection sampling, in one step) costs in between, by its share of each."""
+        if (self.batches, self.qs, self.context_len) != (other.batches, other.qs, other.context_len):
+            raise ValueError("blended costs must share one grid (batches, qs, context)")
+
+        def mix(a, b):
+            if isinstance(a, tuple) and a and isinstance(a[0], tuple):
+                return tuple(mix(x, y) for x, y in zip(a, b, strict=True))
+            if isinstance(a, tuple):
+                if len(a) != len(b):
+                    raise ValueError("blended costs must measure the same parts")
+                return tuple(x + weight * (y - x) for x, y in zip(a, b))
+            return a + weight * (b - a)
+
+        return replace(
+            self, target_s=mix(self.target_s, other.target_s), draft_s=mix(self.draft_s, other.draft_s),
+            hop_overhead_s={t: mix(h, other.hop_overhead_s.get(t, h)) for t, h in self.hop_overhead_s.items()},
+            draft_prefill_s_per_token=mix(self.draft_prefill_s_per_token, other.draft_prefill_s_per_token),
+            context_slope_s=mix(self.context_slope_s, other.context_slope_s),
+            draft_context_slope_s=mix(self.draft_context_slope_s, other.draft_context_slope_s),
+            draft_step_s=mix(self.draft_step_s, other.draft_step_s),
+            one_extra_s=mix(self.one_extra_s, other.one_extra_s), ragged_s=mix(self.ragged_s, other.ragged_s),
+        )
+
     def target_time(self, batch: float, q: int) -> float:
         """t_T(b, q): interpolate along q in each grid row, then along batch."""
         per_batch = [_interp(self.qs, row, q) for row in self.target_s]

@@ -119,6 +119,18 @@ class StepDrift:
         # a bucket off the calibration by more than the bounds learns nothing from more of its steps
         return d is not None and (getattr(d, _STEPS[kind]) >= self.min_steps or d.outlier_rate > 0.1)
 
+    def explored(self, k: int, batch: float, topology: str = "colocated") -> bool:
+        """Have speculative steps like a K step at ``batch`` (its depth; the separate topology's rounds)
+        been seen ``min_steps`` times in the batch's bucket, or is the bucket off the calibration?"""
+        d = self.buckets.get(self.bucket(batch))
+        if d is None:
+            return False
+        if d.outlier_rate > 0.1:
+            return True
+        if topology == "separate":
+            return d.separate_steps >= self.min_steps
+        return d.depth_steps.get(self.depth(k), 0) >= self.min_steps
+
     def observe(self, k: int, measured_s: float, calibrated_s: float, batch: float = 1,
                 topology: str = "colocated") -> None:
         if calibrated_s <= 0 or measured_s <= 0:

@@ -336,9 +336,10 @@ class Scheduler:
         # Steps whose rows all proposed K tokens (or none), or ran a budgeted plan, teach adaptive K how
         # far real steps run from the calibration.
         if self.budget is not None and catch_up <= 2 and len(self.budget.ks) == len(rows):
-            self.adaptive.observe_ragged_step(self._traffic_class(rows[0]), context_len, list(timing.ks), step_s)
+            self.adaptive.observe_ragged_step([self._traffic_class(r) for r in rows], context_len, list(timing.ks),
+                                              step_s)
         elif len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
-            self.adaptive.observe_step(self._traffic_class(rows[0]), context_len, len(rows), proposed.pop(), step_s)
+            self.adaptive.observe_step([self._traffic_class(r) for r in rows], context_len, proposed.pop(), step_s)
 
     def _account_regret(self, rows, proposals: list[Proposal], before: list[int], step_s: float) -> None:
         """Charge each adaptive row that speculated at its own K against plain steps at this batch for the

@@ -21,22 +21,25 @@ paid per depth, and the uncapped walk deepens its best rows before it starts the
 of their own (fixed K, an overlapped proposal, a failed draft at 0) are planned around, not re-chosen.
 A row the draft is behind on (a new request's prompt, the tokens of its plain steps) pays for the
 catch-up when it starts, spread over the steps it can be expected to speculate for
-(``AdaptiveK.plan_budget``). Speculation must beat a plain step by ``margin`` to run. Pure: no torch,
-no I/O.
+(``AdaptiveK.plan_budget``). A plan must beat a plain step with that catch-up, and by ``margin`` in its
+steps without it (``_clears``): the catch-up is a cost paid once, the margin covers the steps' price. A
+plan whose depth has not been measured at its batch runs wherever it beats plain, so that the drift
+learns what it costs (a calibration is one draw: at batch 4 one priced K=2 at 1.12x plain where it ran
+1.19-1.25x, and the batch ran plain, so nothing measured it). Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specdec_core.costmodel import CostModel, KChoice
 
-# The plan must beat a plain step's tokens per second by this share. A step's price leaves out what
-# speculation costs beyond its steps: the draft's catch-up when a row starts, and a closed batch's
-# ragged tail (rows finish at different steps; the last run in a smaller, dearer batch). At batch 8
-# on the served family, plans priced 1.09x a plain step measured 0.89-0.95x over whole batches.
+# A plan's steps must beat a plain step's tokens per second by this share. A step's price leaves out a
+# closed batch's ragged tail (rows finish at different steps; the last run in a smaller, dearer batch)
+# and the calibration's error: at batch 8 on the served family, plans priced 1.09x a plain step measured
+# 0.89-0.95x over whole batches.
 BUDGET_MARGIN = 0.10
 
 
@@ -67,7 +70,8 @@ def survival(rates: Sequence[float]) -> tuple[float, ...]:
 def plan_step(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Sequence[int | None],
               topology: str = "colocated", margin: float = BUDGET_MARGIN,
               start_s: Sequence[float] | None = None,
-              coverage: Sequence[Sequence[float]] | None = None) -> StepBudget:
+              coverage: Sequence[Sequence[float]] | None = None,
+              unmeasured: Callable[[int], bool] | None = None) -> StepBudget:
     """Each row's K: ``survivals[i]`` is row i's survival by position (its length caps its K; empty:
     plain), ``fixed[i]`` a K the row keeps whatever the plan (None: the planner chooses),
     ``start_s[i]`` what row i's first draft position costs beyond a draft forward (its share of the
@@ -75,7 +79,9 @@ def plan_step(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Seq
     each position it is asked for (None: always, as a draft model does): a position costs its verify
     token that often (its survival, the caller's, counts that already). Admission by survival alone
     would take a row that must catch up as readily as one that need not, so where some rows must, the
-    plan without them is tried too and the faster kept."""
+    plan without them is tried too and the faster kept. ``unmeasured(K)``: steps as deep as K have not
+    been measured at this batch (``StepDrift.explored``); such a plan runs if it beats a plain step at
+    all, margin aside, so that its price is measured and not left to the calibration's draw."""
     batch = len(survivals)
     start_s = list(start_s) if start_s else [0.0] * batch
     coverage = [list(c) for c in coverage] if coverage else [[1.0] * len(s) for s in survivals]
@@ -86,11 +92,24 @@ def plan_step(model: CostModel, survivals: Sequence[Sequence[float]], fixed: Seq
         if alternative[1] > rate:
             ks, rate, step_s = alternative
     plain_step = model.plain_time_per_token(batch)
-    if any(k for k, f in zip(ks, fixed) if f is None) and rate < (1.0 + margin) * batch / plain_step:
+    plain_rate = batch / plain_step
+    steady_rate = rate * step_s / (step_s - sum(t for t, k in zip(start_s, ks) if k))
+    if any(k for k, f in zip(ks, fixed) if f is None) and not _clears(rate, steady_rate, plain_rate, margin, max(ks),
+                                                                       unmeasured):
         ks = [f or 0 for f in fixed]
         step_s = model.ragged_step_time(batch, ks, topology) + sum(t for t, k in zip(start_s, ks) if k)
         rate = (batch + sum(sum(s[:k]) for s, k in zip(survivals, ks))) / step_s
     return StepBudget(tuple(ks), rate * step_s, step_s, plain_step)
+
+
+def _clears(rate: float, steady_rate: float, plain_rate: float, margin: float, depth: int,
+            unmeasured: Callable[[int], bool] | None) -> bool:
+    """Does a plan that speculates run? It must beat plain at ``rate`` tokens per second, its rows' catch-up
+    included (a cost that is paid, once); its steps (``steady_rate``: without the catch-up) must beat plain
+    by the margin (their price's error), unless steps of their depth are unmeasured at this batch."""
+    if rate <= plain_rate:
+        return False
+    return steady_rate >= (1.0 + margin) * plain_rate or unmeasured is not None and unmeasured(depth)
 
 
 def budgeted_choice(model: CostModel, batch: int, rates: Sequence[float], topology: str = "colocated") -> KChoice:

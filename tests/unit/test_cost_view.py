@@ -7,6 +7,7 @@ history of its own: the request's class estimate and the router's drift travel w
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from autoscaling.routing import PoolLoad
 from autoscaling.traffic_classes import DomainTable
 from deployments.route_state import RouteState
-from specdec_core import AcceptanceTracker, AdaptiveK
+from specdec_core import AcceptanceTracker, AdaptiveK, TrafficClass
 from specdec_core.cost_view import CostView
 from specdec_core.costmodel import StepCosts
 from specdec_core.stats import RequestStats
@@ -78,10 +79,10 @@ def test_the_replica_prices_with_the_routers_drift():
     st = _router(0.7)
     replica = AdaptiveK(CostView(GREEDY, SAMPLED), AcceptanceTracker(), "d")
     cls = st.traffic_class(0.0, "u")
-    replica.observe_step(cls, 64, 1, 4, 1.0)
+    replica.observe_step([cls], 64, 4, 1.0)
     assert replica.view.drift.buckets  # on its own it learns from its steps
     replica.adopt_drift(st.drift)
-    replica.observe_step(cls, 64, 1, 4, 1.0)
+    replica.observe_step([cls], 64, 4, 1.0)
     assert replica.view.drift.buckets is st.drift.buckets and not st.drift.buckets
     calibrated = st.cost_model().plain_time_per_token(1)
     spec = RequestStats(prompt_tokens=16, output_tokens=8)
@@ -93,3 +94,41 @@ def test_the_replica_prices_with_the_routers_drift():
         st.observe_timing("colocated", 1, spec, st.cost_model(True, 20).spec_step_time(1, 4) / 3, cls)
     assert st.cost_model().plain_time_per_token(1) == pytest.approx(1.5 * calibrated, rel=0.05)
     assert replica.cost_model_for(cls).plain_time_per_token(1) == st.cost_model().plain_time_per_token(1)
+
+
+def test_a_batch_of_both_paths_is_priced_by_its_share_of_sampled_rows():
+    """The verifier takes each row's own path (argmax or rejection sampling) in one step, so a batch of half
+    greedy, half sampled rows costs half way between the two calibrations, not all sampled."""
+    view = CostView(GREEDY, SAMPLED)
+    greedy, sampled = TrafficClass.of("d", 0.0), TrafficClass.of("d", 1.0)
+    half = view.model_for_batch([greedy, sampled] * 2, 64)
+    for ks in ([0] * 4, [2] * 4, [1, 3, 0, 2]):
+        low, high = (view.model(g, 64).ragged_step_time(4, ks, calibrated=True) for g in (True, False))
+        assert low < high
+        assert half.ragged_step_time(4, ks, calibrated=True) == pytest.approx((low + high) / 2)
+    assert view.model_for_batch([greedy] * 4, 64) is view.model(True, 64)
+    assert view.model_for_batch([sampled] * 4, 64) is view.model(False, 64)
+    with pytest.raises(ValueError, match="one grid"):
+        GREEDY.blend(dataclasses.replace(SAMPLED, batches=(1, 2, 4, 8, 32)), 0.5)
+
+
+def test_a_mixed_batch_is_planned_and_learnt_at_one_price():
+    """A mixed batch's steps are planned and learnt at its blended price. Before, a plan priced the batch on
+    the sampling path while its steps were learnt against its first row's path (greedy): steps that ran
+    exactly at the blended price looked slow, speculative ones more than plain ones, and the drift priced
+    speculation dearer still on top of the sampling path's price."""
+    policy = AdaptiveK(CostView(GREEDY, SAMPLED), AcceptanceTracker(), "d", budgeted=True)
+    rows = [TrafficClass.of("d", 0.0), TrafficClass.of("d", 1.0)] * 2
+    for cls in set(rows):
+        for _ in range(40):
+            policy.observe(cls, 4, 4)
+    half = CostView(GREEDY, SAMPLED).model_at(0.5, 64)
+    batch = dict(classes=rows, evidence=[([], [], None)] * 4, k_maxes=[4] * 4, fixed=[None] * 4, context_len=64,
+                 plain_runs=[0] * 4, catch_up=[1] * 4, remaining=[64] * 4)
+    for _ in range(2):  # before any step is learnt, and after 40 of each kind that ran at that price
+        plan = policy.plan_budget(**batch)
+        assert max(plan.ks) > 0
+        assert plan.step_s == pytest.approx(half.ragged_step_time(4, plan.ks, calibrated=True))
+        for _ in range(40):
+            for ks in ([0] * 4, plan.ks):
+                policy.observe_ragged_step(rows, 64, list(ks), half.ragged_step_time(4, ks, calibrated=True))

@@ -7,7 +7,7 @@ import pytest
 
 from specdec_core.acceptance import ProposalCoverage, position_rates
 from specdec_core.costmodel import CostModel, StepCosts
-from specdec_core.step_planner import budgeted_choice, plan_step, survival
+from specdec_core.step_planner import BUDGET_MARGIN, budgeted_choice, plan_step, survival
 
 # Shaped like the served family on this CPU (ms): a verify nearly free at batch 1, compute bound from
 # ~16 tokens per forward (batch 8: 5 tokens a row cost 2.7x a plain step), a cheap draft.
@@ -283,3 +283,41 @@ def test_rows_at_different_widths_pay_the_packed_verifys_surcharge():
     even = plan_step(CostModel(dataclasses.replace(COSTS, ragged_s=(0.0, 0.002, 0.002))), rows, [None, None])
     assert even.ks[0] == even.ks[1]
     assert even.step_s == pytest.approx(model.ragged_step_time(2, list(even.ks)))
+
+
+def test_a_depth_not_yet_measured_runs_inside_the_margin_until_it_is():
+    """A plan that beats plain by less than the margin runs while steps of its depth are unmeasured at its
+    batch, so that the drift learns their price; once they are (here: as calibrated), the margin decides.
+    A plan that loses to plain never runs to be measured."""
+    survivals = [survival([0.3] * 4)]
+    gain = plan_step(MODEL, survivals, [None], margin=0.0).predicted_speedup
+    margin = gain - 1 + 0.01
+    assert any(plan_step(MODEL, survivals, [None], margin=margin, unmeasured=lambda k: True).ks)
+    assert not any(plan_step(MODEL, survivals, [None], margin=margin, unmeasured=lambda k: False).ks)
+    assert not any(plan_step(MODEL, [survival([0.05] * 4)], [None], unmeasured=lambda k: True).ks)
+
+    policy, cls = _policy(prior_mean=0.4)
+    for accepted in [1, 1, 0, 0, 0] * 40:
+        policy.observe(cls, 1, accepted)
+    rows = dict(classes=[cls] * 4, evidence=[([], [], None)] * 4, k_maxes=[4] * 4, fixed=[None] * 4,
+                context_len=64, plain_runs=[0] * 4, catch_up=[1] * 4, remaining=[64] * 4)
+    explored = policy.plan_budget(**rows)
+    assert any(explored.ks) and explored.predicted_speedup < 1.0 + BUDGET_MARGIN
+    for _ in range(policy.view.drift.min_steps):
+        for ks in ([0] * 4, list(explored.ks)):
+            policy.observe_ragged_step([cls] * 4, 64, ks, MODEL.ragged_step_time(4, ks, calibrated=True))
+    assert not any(policy.plan_budget(**rows).ks)
+
+
+def test_a_row_starts_where_its_steps_clear_the_margin_and_its_catch_up_is_paid_back():
+    """The margin guards the steps' price; a row's catch-up is a cost of its own, paid once, and need only
+    be paid back. Before, the catch-up's share was in the price that had to clear the margin: rows whose
+    K=2 steps priced 1.18x plain started at 1.09x with it, stayed plain, and their drafts fell further
+    behind every step (new requests of a mixed batch at batch 4 ran plain to their end)."""
+    survivals = [survival([0.7] * 4)] * 4
+    steady = plan_step(MODEL, survivals, [None] * 4)
+    assert steady.predicted_speedup > 1.0 + BUDGET_MARGIN
+    for over_plain, starts in ((1.05, True), (0.95, False)):
+        start_s = steady.step_s * (steady.predicted_speedup / over_plain - 1.0) / 4
+        plan = plan_step(MODEL, survivals, [None] * 4, start_s=[start_s] * 4)
+        assert any(plan.ks) == starts, (over_plain, plan)
