@@ -31,7 +31,7 @@ import platform
 import time
 from pathlib import Path
 
-from specdec_core.costmodel import StepCosts
+from specdec_core.step_costs import StepCosts
 
 logger = logging.getLogger("ray.serve")
 

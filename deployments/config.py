@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdec_core.costmodel import SEPARATE_HOP_S
 from specdec_core.kv_cache import KVWindow
+from specdec_core.step_costs import SEPARATE_HOP_S
 
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

@@ -43,8 +43,8 @@ from deployments.engine_hosts import build_engine, engine_fields, submit
 from deployments.messages import Delta, GenerateRequest, ReplicaCosts
 from deployments.wire import Codec
 from specdec_core.async_engine import until_finished
-from specdec_core.costmodel import StepCosts
 from specdec_core.engine import Engine
+from specdec_core.step_costs import StepCosts
 
 logger = logging.getLogger("ray.serve")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec_core import Proposal, RequestOutput, RequestStats, SamplingParams, VerifyResult
-from specdec_core.costmodel import StepCosts
 from specdec_core.drift import StepDrift
+from specdec_core.step_costs import StepCosts
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,11 @@ from deployments.messages import Progress
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import SEPARATE_HOP_S, CostModel, StepCosts
+from specdec_core.costmodel import CostModel
 from specdec_core.drift import StepDrift
 from specdec_core.request import RequestState
 from specdec_core.stats import RequestStats
+from specdec_core.step_costs import SEPARATE_HOP_S, StepCosts
 
 # Prior step costs until a co-located replica's calibration arrives: docs/ARCHITECTURE.md's CPU table (Facts)
 # (17M target, 1.9M draft, fp32, 2 threads, context 64), seconds. Only q = 1 and 9 were measured;

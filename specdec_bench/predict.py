@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specdec_core.costmodel import CostModel, StepCosts, expected_tokens_per_step
+from specdec_core.costmodel import CostModel, expected_tokens_per_step
 from specdec_core.roofline import (
     DEVICES,
     H100,
@@ -33,6 +33,7 @@ from specdec_core.roofline import (
     prefill_time,
     roofline_costs,
 )
+from specdec_core.step_costs import StepCosts
 
 REFERENCE = Path(__file__).parent / "reference"
 CONFIGS = REFERENCE / "configs"

@@ -20,8 +20,9 @@ from tqdm import tqdm
 from specdec_bench.common import MODELS_DIR, Summary, judged_acceptance, load_prompts, machine_facts
 from specdec_core import Engine, SamplingParams
 from specdec_core.calibration import calibrate
-from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.costmodel import CostModel
 from specdec_core.stats import StepTiming
+from specdec_core.step_costs import StepCosts
 
 MODES = ("plain", "spec", "auto")
 

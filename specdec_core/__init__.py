@@ -9,7 +9,7 @@ first rejection) or one *bonus* token (when all K were accepted).
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.async_engine import AsyncEngine
-from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.costmodel import CostModel
 from specdec_core.engine import Engine
 from specdec_core.kv_cache import KVWindow
 from specdec_core.loading import check_same_tokenizer
@@ -18,6 +18,7 @@ from specdec_core.request import RequestOutput, RequestState, SamplingParams
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import process_logits, rejection_sample, sample_categorical
 from specdec_core.stats import RequestStats, StepTiming
+from specdec_core.step_costs import StepCosts
 from specdec_core.verifier import Verifier, VerifyItem, VerifyResult
 
 __all__ = [

@@ -20,9 +20,9 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from specdec_core.costmodel import DEFAULT_BATCHES, DEFAULT_HOP_OVERHEAD_S, DEFAULT_QS, StepCosts
 from specdec_core.proposers import Proposal, ProposalRequest
 from specdec_core.request import SamplingParams
+from specdec_core.step_costs import DEFAULT_BATCHES, DEFAULT_HOP_OVERHEAD_S, DEFAULT_QS, StepCosts
 
 if TYPE_CHECKING:
     from specdec_core.engine import Engine

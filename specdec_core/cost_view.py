@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdec_core.acceptance import TrafficClass, temperature_bucket
-from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.costmodel import CostModel
 from specdec_core.drift import StepDrift
+from specdec_core.step_costs import StepCosts
 
 CONTEXT_BUCKET = 64  # tokens: a request is priced at its context rounded up to this
 GREEDY_BUCKET = temperature_bucket(0.0)

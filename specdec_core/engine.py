@@ -24,7 +24,6 @@ import torch
 from specdec_core.acceptance import AcceptanceTracker
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import StepCosts
 from specdec_core.executor import LocalExecutor
 from specdec_core.kv_cache import KVWindow
 from specdec_core.loading import load_models
@@ -33,6 +32,7 @@ from specdec_core.request import RequestOutput, SamplingParams, eos_token_ids, r
 from specdec_core.runner import ModelRunner
 from specdec_core.scheduler import ScheduledRequest, Scheduler, StepPlan
 from specdec_core.stats import StepTiming
+from specdec_core.step_costs import StepCosts
 from specdec_core.verifier import Verifier
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specdec_core.costmodel import DEFAULT_BATCHES, DEFAULT_HOP_OVERHEAD_S, DEFAULT_QS, StepCosts
+from specdec_core.step_costs import DEFAULT_BATCHES, DEFAULT_HOP_OVERHEAD_S, DEFAULT_QS, StepCosts
 
 # Bytes per weight by serving dtype. The KV cache and the all-reduced activations stay 16-bit
 # (vLLM's default kv_cache_dtype "auto" follows the activations, not fp8 weights).

@@ -57,7 +57,7 @@ def greedy_ids(model_path: str, prompt: list[int], n: int) -> list[int]:
 
 
 def synthetic_costs():
-    from specdec_core.costmodel import StepCosts
+    from specdec_core.step_costs import StepCosts
 
     batches, qs = (1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9)
     return StepCosts(batches, qs, tuple(tuple(0.010 + 0.004 * b * q for q in qs) for b in batches),

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from specdec_bench.cli import main
-from specdec_core.costmodel import StepCosts
+from specdec_core.step_costs import StepCosts
 
 CELL_KEYS = {
     "regime", "draft", "batch", "temperature", "k", "plain_tok_s", "spec_tok_s", "auto_tok_s", "speedup",

@@ -17,8 +17,8 @@ from autoscaling.traffic_classes import DomainTable
 from deployments.route_state import RouteState
 from specdec_core import AcceptanceTracker, AdaptiveK, TrafficClass
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import StepCosts
 from specdec_core.stats import RequestStats
+from specdec_core.step_costs import StepCosts
 
 BATCHES, QS = (1, 2, 4, 8, 16), (1, 2, 3, 5, 9)
 

@@ -11,8 +11,9 @@ from autoscaling.routing import PoolLoad
 from autoscaling.traffic_classes import DomainTable
 from deployments.route_state import RouteState
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
-from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.costmodel import CostModel
 from specdec_core.stats import RequestStats
+from specdec_core.step_costs import StepCosts
 
 CLS = TrafficClass("d", "greedy", "code")
 LOADS = {"plain": PoolLoad(), "colocated": PoolLoad()}

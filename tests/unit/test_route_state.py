@@ -16,8 +16,8 @@ from deployments.regimes_map import regimes_map
 from deployments.route_state import PRIOR_COSTS, objective_of, with_hops
 from specdec_core import SamplingParams
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
-from specdec_core.costmodel import StepCosts
 from specdec_core.stats import RequestStats
+from specdec_core.step_costs import StepCosts
 
 
 def test_glue_context_from_loads_tracker_costs():

@@ -15,7 +15,8 @@ from autoscaling.routing import (
     classify_regime,
     route,
 )
-from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.costmodel import CostModel
+from specdec_core.step_costs import StepCosts
 
 
 def model(c: float = 0.1, hop: float = 0.0) -> CostModel:

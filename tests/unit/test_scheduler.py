@@ -15,8 +15,8 @@ from specdec_core import Proposal, SamplingParams
 from specdec_core.acceptance import AcceptanceTracker
 from specdec_core.adaptive import AdaptiveK, KState, Phase
 from specdec_core.cost_view import CostView
-from specdec_core.costmodel import StepCosts
 from specdec_core.scheduler import NO_PROPOSAL, ScheduledRequest, Scheduler, StepPlan, StepResult
+from specdec_core.step_costs import StepCosts
 from specdec_core.verifier import VerifyResult
 
 V = 50

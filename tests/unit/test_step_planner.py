@@ -6,7 +6,8 @@ import itertools
 import pytest
 
 from specdec_core.acceptance import ProposalCoverage, position_rates
-from specdec_core.costmodel import CostModel, StepCosts
+from specdec_core.costmodel import CostModel
+from specdec_core.step_costs import StepCosts
 from specdec_core.step_planner import BUDGET_MARGIN, budgeted_choice, plan_step, survival
 
 # Shaped like the served family on this CPU (ms): a verify nearly free at batch 1, compute bound from
