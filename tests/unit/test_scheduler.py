@@ -342,3 +342,50 @@ def test_a_speculating_batch_lifts_a_stopped_row_to_k1_but_not_a_failed_draft():
     plan = sched.schedule(8)
     assert stopped.k_state.phase is Phase.STOPPED and plan.ks[0] > 1
     assert plan.ks[1:] == (1, 0)
+
+
+class CountingPlans(AdaptiveK):
+    """The real policy, counting the budgeted plans it makes."""
+
+    plans = 0
+
+    def plan_budget(self, *args, **kwargs):
+        self.plans += 1
+        return super().plan_budget(*args, **kwargs)
+
+
+def test_a_plain_plan_stands_until_its_rows_or_a_due_probe_change_it():
+    """A batch planned plain judges nothing, so its plan stands (re-made every ``REPRICE_EVERY`` steps, as
+    a plain request is re-priced), but not past what can change it: a row that joins is planned the step it
+    joins (its class accepts everything: it speculates at once), and a row whose probe comes due probes
+    that step."""
+    from specdec_core.adaptive import REPRICE_EVERY
+
+    memory_bound = StepCosts((1, 16), (1, 9), ((0.010, 0.011), (0.012, 0.016)), (0.0005, 0.001), source="test")
+    adaptive = CountingPlans(CostView(memory_bound), AcceptanceTracker(prior_mean=0.5), "d", budgeted=True)
+    for _ in range(200):
+        adaptive.observe(adaptive.traffic_class(0.0, "bad"), 1, 0)  # the batch's class: nothing accepted
+        adaptive.observe(adaptive.traffic_class(0.0, "good"), 4, 4)
+    sched, ex = Scheduler(4, 256, speculative=True, adaptive=adaptive), FakeExecutor()
+    bad = [request(f"b{i}", n=60, k=4, adaptive_k=True, domain="bad") for i in range(2)]
+    for r in bad:
+        sched.add(r)
+    plain_steps = plans_on_plain = probes = 0
+    for step in range(40):
+        if step == 30:
+            sched.add(good := request("g", n=20, k=4, adaptive_k=True, domain="good"))
+        due = any(r.plain_run == adaptive.probe_every for r in bad)
+        plans = adaptive.plans
+        sched.commit(plan := sched.schedule(8), ex.execute(plan))
+        planned = adaptive.plans > plans
+        ks = dict(zip((r.request_id for r in plan.decode), plan.ks))
+        if due:  # a due probe runs the step it comes due
+            assert planned and 1 in (ks["b0"], ks["b1"]), (step, ks)
+            probes += 1
+        elif step == 32:  # "g" decodes for the first time: planned, and speculating
+            assert planned and ks["g"] >= 1, ks
+        elif ks and not any(ks.values()):
+            plain_steps += 1
+            plans_on_plain += planned
+    assert probes >= 1 and plain_steps > 20
+    assert plans_on_plain <= plain_steps / REPRICE_EVERY + 2  # not once a step
