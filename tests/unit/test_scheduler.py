@@ -373,7 +373,7 @@ def test_a_plain_plan_stands_until_its_rows_or_a_due_probe_change_it():
     plain_steps = plans_on_plain = probes = 0
     for step in range(40):
         if step == 30:
-            sched.add(good := request("g", n=20, k=4, adaptive_k=True, domain="good"))
+            sched.add(request("g", n=20, k=4, adaptive_k=True, domain="good"))
         due = any(r.plain_run == adaptive.probe_every for r in bad)
         plans = adaptive.plans
         sched.commit(plan := sched.schedule(8), ex.execute(plan))
