@@ -331,7 +331,9 @@ class Scheduler:
         for i in result.draft_failed:
             rows[i].draft_failed = True
             rows[i].draft_retry_at = now + self.draft_retry_s
-        catch_up = max(r.draft_catch_up for r in rows)
+        # What the draft fed before proposing: the proposing rows' catch-up (a plain row's lag costs this step
+        # nothing; counted, a mixed plan's plain row kept every step of its batch from the drift)
+        catch_up = max((r.draft_catch_up for r, k in zip(rows, plan.ks) if k), default=1)
         before = [len(r.output_ids) for r in rows]
         context_len = max(len(r.tokens) for r in rows)  # what the step was priced at (the longest row)
         for i, (req, res, prop) in enumerate(zip(rows, verified, result.proposals)):

@@ -389,3 +389,25 @@ def test_a_plain_plan_stands_until_its_rows_or_a_due_probe_change_it():
             plans_on_plain += planned
     assert probes >= 1 and plain_steps > 20
     assert plans_on_plain <= plain_steps / REPRICE_EVERY + 2  # not once a step
+
+
+def test_a_plain_rows_lag_keeps_no_speculative_step_from_the_drift():
+    """A step's draft feeds only the rows that propose: beside a plain row (its draft falls further behind
+    every step) the speculating row's steps are what they are priced as, and teach the drift how such steps
+    run. Counted with the plain row's lag, no step of the batch did, and a depth never measured is planned
+    past the margin for good (``StepDrift.explored``)."""
+    memory_bound = StepCosts((1, 16), (1, 9), ((0.010, 0.011), (0.012, 0.016)), (0.0005, 0.001), source="test")
+    adaptive = AdaptiveK(CostView(memory_bound), AcceptanceTracker(prior_mean=0.5), "d", budgeted=True)
+    for _ in range(200):
+        adaptive.observe(adaptive.traffic_class(0.0, "good"), 4, 4)
+    sched, ex = Scheduler(4, 512, speculative=True, adaptive=adaptive), FakeExecutor()
+    sched.add(plain_row := request("plain", n=200, k=0))
+    sched.add(request("good", n=400, k=4, adaptive_k=True, domain="good"))
+    for _ in range(60):
+        plan = sched.schedule(8)
+        result = ex.execute(plan)
+        result.timing.verify_s = 0.012 if plan.decode else 0.0
+        sched.commit(plan, result)
+    assert plain_row.draft_catch_up > 2 and any(plan.ks)  # the plain row lags; the other speculates
+    bucket = adaptive.view.drift.buckets[adaptive.view.drift.bucket(2)]
+    assert sum(bucket.depth_steps.values()) > 20
