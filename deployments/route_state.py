@@ -376,7 +376,10 @@ class RouteState:
             return  # no round measured (its draft failed), or plain steps beside its rounds in one time per token
         k = round(stats.proposed / verify) if verify else 0
         context = stats.prompt_tokens + stats.output_tokens // 2  # its decode steps, on average
-        model = self.view.model_for(cls, context) if cls is not None else self.cost_model()
+        # Priced as the batches it decoded in ran: by their share of sampled rows, as the engine prices and
+        # learns a step (a greedy request beside T=1 rows, priced on its own path, read as a slow greedy step)
+        model = (self.view.model_at(stats.sampled_share, context) if stats.decode_batch_rows
+                 else self.view.model_for(cls, context) if cls is not None else self.cost_model())
         if pool == "separate":  # a round's time per token, at the acceptance the request met (accepted / judged)
             a = stats.accepted / max(1, sum(stats.proposed_per_position))
             calibrated = CostModel(model.costs).spec_time_per_token(batch, k, a, "separate")

@@ -291,10 +291,12 @@ class Scheduler:
                 req.stats.prefill_s = req.stats.first_token_s = time.perf_counter() - req.arrival
         if plan.decode:
             self._commit_decode(plan, result, result.verified[n_prefill:])
+        sampled = sum(1 for r in plan.decode if r.params.temperature > 0)
         for req in plan.decode:
             req.stats.decode_s += timing.total_s - timing.prefill_s
             req.stats.decode_steps += 1
             req.stats.decode_batch_rows += len(plan.decode)
+            req.stats.decode_sampled_rows += sampled
         self.running = [r for r in self.running if not r.finished]
         return [r.output(stream_text) for r in plan.aborted + plan.rows]
 

@@ -31,6 +31,7 @@ class RequestStats:
     decode_s: float = 0.0  # sum of the wall times of the steps this request took part in
     decode_steps: int = 0  # decode steps it took part in (its prefill's is not one)
     decode_batch_rows: int = 0  # the decode batch of each of those steps, summed
+    decode_sampled_rows: int = 0  # of those rows, the ones that sample (temperature > 0), summed
     first_token_s: float = 0.0  # from arrival to the first emitted token
     latency_s: float = 0.0  # from arrival to finish
 
@@ -52,6 +53,12 @@ class RequestStats:
         """The batch it decoded in, on average over its decode steps (0.0 without any): requests join and
         leave a running batch, so the batch at its arrival says little of the steps it ran."""
         return self.decode_batch_rows / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def sampled_share(self) -> float:
+        """The share of sampled rows in the batches it decoded in (0.0 without a decode step): a step of
+        greedy and sampled rows costs in between the two paths (``CostView.model_for_batch``)."""
+        return self.decode_sampled_rows / self.decode_batch_rows if self.decode_batch_rows else 0.0
 
     def record_verify(self, num_proposed: int, num_accepted: int) -> None:
         """One verify step: positions 0..num_accepted were judged (the first rejection ends the step)."""

@@ -144,6 +144,28 @@ def test_served_timing_is_learnt_at_the_batch_the_request_decoded_in():
     assert list(drift) == [3] and drift[3]["plain"] == pytest.approx(1.0), drift  # bucket of batch 8, as calibrated
 
 
+def test_served_timing_is_priced_at_the_share_of_sampled_rows_it_decoded_beside():
+    """A greedy request that decoded in batches half of whose rows sampled ran steps that cost in between
+    the greedy and the sampling path (the verifier takes each row's own path in one step). Priced at that
+    blend, its steps are as calibrated; priced on its own path they read as a 25% drift that no greedy
+    batch has."""
+    import dataclasses
+
+    greedy = synthetic_costs()
+    sampled = dataclasses.replace(greedy, target_s=tuple(tuple(1.5 * t for t in row) for row in greedy.target_s))
+    st = route_state()
+    st.set_costs(greedy, "test", sampled_costs=sampled)
+    beside = served_stats(k=0, decode_steps=40)
+    beside.decode_steps, beside.decode_batch_rows, beside.decode_sampled_rows = 40, 40 * 8, 40 * 4
+    assert beside.sampled_share == 0.5
+    blend_step = st.view.model_at(0.5).calibrated_step_time(8, 0)
+    assert blend_step == pytest.approx(1.25 * st.view.model_at(0.0).calibrated_step_time(8, 0))
+    for _ in range(5):
+        st.learn("plain", 8, TrafficClass.of("d", 0.0), beside, blend_step, migrated=False)
+    drift = regimes_map(st, {"plain": PoolLoad()})["costs"]["drift"]
+    assert drift[3]["plain"] == pytest.approx(1.0), drift
+
+
 def test_a_request_is_priced_at_the_batch_it_will_decode_in():
     """In a burst the first requests join an idle co-located pool and decode beside the ones that follow:
     the router learns how many rows join a request while it decodes (per pool, from finished requests)

@@ -411,3 +411,13 @@ def test_a_plain_rows_lag_keeps_no_speculative_step_from_the_drift():
     assert plain_row.draft_catch_up > 2 and any(plan.ks)  # the plain row lags; the other speculates
     bucket = adaptive.view.drift.buckets[adaptive.view.drift.bucket(2)]
     assert sum(bucket.depth_steps.values()) > 20
+
+
+def test_each_row_counts_the_sampled_rows_it_decoded_beside():
+    """What the router prices a finished request's steps at (``RequestStats.sampled_share``): a greedy row
+    that decoded beside a T=1 row for its whole life ran every step half sampled."""
+    sched, ex = Scheduler(4, 256, speculative=True), FakeExecutor()
+    sched.add(greedy := request("g", n=10, k=0))
+    sched.add(request("s", n=10, k=0, temperature=1.0))
+    run(sched, ex)
+    assert greedy.stats.decode_steps == 9 and greedy.stats.sampled_share == 0.5
