@@ -53,7 +53,8 @@ class StepDrift:
     correction off for the replica's life.
 
     The speculative kinds are learnt relative to plain steps: each one's measured / calibrated over the
-    plain factor of that moment, priced at plain * that. This host's speed moves by 10-25% over minutes
+    plain factor of that moment, priced at plain * that (before the bucket has ``min_steps`` plain steps,
+    absolute, and made relative once it has: ``_rebase``). This host's speed moves by 10-25% over minutes
     (a phase of the machine, the same for every kind of step), and an absolute factor per kind compared
     a kind learnt in a slow phase with one learnt in a fast phase: the budgeted planner, running plain
     through a fast phase, learnt plain at 0.87-0.91 while its speculative factors stayed at the 1.03-1.19
@@ -146,16 +147,28 @@ class StepDrift:
         if outlier:
             return
         kind = "plain" if k == 0 else topology
-        if kind != "plain":
-            ratio /= d.plain  # relative to plain steps as measured now (1 before any)
+        if kind != "plain" and d.plain_steps >= self.min_steps:
+            ratio /= d.plain  # relative to plain steps as measured now
         field_, steps = _FACTOR[kind], _STEPS[kind]
         n = getattr(d, steps) + 1
         setattr(d, steps, n)
         setattr(d, field_, self._toward(getattr(d, field_), ratio, n))
         if kind == "colocated":
             depth = self.depth(k)
-            n = d.depth_steps[depth] = d.depth_steps.get(depth, 0) + 1
-            d.by_depth[depth] = self._toward(d.by_depth.get(depth, 1.0), ratio, n)
+            m = d.depth_steps[depth] = d.depth_steps.get(depth, 0) + 1
+            d.by_depth[depth] = self._toward(d.by_depth.get(depth, 1.0), ratio, m)
+        if kind == "plain" and n == self.min_steps:
+            self._rebase(d)
+
+    @staticmethod
+    def _rebase(d: _Drift) -> None:
+        """The bucket's plain factor is established: the speculative factors learnt so far, absolute, become
+        relative to it. Learnt against plain's first steps instead (one reference step, or none: 1), they kept
+        that step's noise: the budget's warm-up at batch 8 learnt its K=4 steps against a first plain step 15%
+        slower than the plain steps after it, and priced them 10% under what they ran."""
+        d.spec /= d.plain if d.spec_steps else 1.0
+        d.separate /= d.plain if d.separate_steps else 1.0
+        d.by_depth = {depth: f / d.plain for depth, f in d.by_depth.items()}
 
     def observe_mixed(self, steps: Sequence[int], measured_s: float, step_s: Callable[[int], float],
                       batch: float = 1) -> None:

@@ -120,3 +120,22 @@ def test_drift_is_learnt_per_topology():
     assert drift.factor(0, 1) == pytest.approx(1.0)
     assert cm.spec_step_time(1, 2, "separate") == pytest.approx(0.7 * cm.calibrated_step_time(1, 2, "separate"))
     assert cm.spec_step_time(1, 2) == pytest.approx(cm.calibrated_step_time(1, 2))
+
+
+def test_speculative_steps_seen_before_plain_ones_are_priced_as_they_ran():
+    """A budgeted engine speculates from its first steps; its plain steps come later (a plain load, the
+    regret guard's reference steps). K=4 steps ran 1.2x their calibration, plain steps 0.8x: once plain is
+    established the K=4 steps are priced at 1.2x still, not at 1.2x relative to a plain factor nobody had
+    measured when they ran (0.96x); steps after that are learnt relative to plain, as before."""
+    drift = StepDrift()
+    for _ in range(30):
+        drift.observe(4, 1.2, 1.0)
+    assert drift.factor(4) == 1.0  # no plain step yet: the calibration as it is
+    for _ in range(20):
+        drift.observe(0, 0.8, 1.0)
+    assert drift.factor(0) == pytest.approx(0.8) and drift.factor(4) == pytest.approx(1.2)
+    assert drift.factor(2) == pytest.approx(1.2)  # all co-located steps' factor
+    for _ in range(200):  # the host slows down: both kinds alike, their ratio kept
+        drift.observe(0, 1.0, 1.0)
+        drift.observe(4, 1.5, 1.0)
+    assert drift.factor(0) == pytest.approx(1.0, abs=0.01) and drift.factor(4) == pytest.approx(1.5, abs=0.02)
