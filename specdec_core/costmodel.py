@@ -81,7 +81,28 @@ class CostModel:
         """One speculative step: K draft forwards (over ``draft_rows`` rows, default all), one
         K+1-token verify, the hops (K=0: a plain step)."""
         t = self.calibrated_step_time(batch, k, topology, draft_rows)
-        return t if self.drift is None else t * self.drift.factor(k, batch, topology)
+        return t * self._drift_factor(k, batch, topology)
+
+    def _drift_factor(self, k: int, batch: float, topology: str) -> float:
+        """``StepDrift.factor``, memoised while the drift stays put (its version): a budgeted plan prices
+        ~80 steps of one batch, and the factor's lookups were a quarter of a plan's time."""
+        if self.drift is None:
+            return 1.0
+        memo = self._parts_cache.get("factors")
+        if memo is None or memo[0] != self.drift.version:
+            memo = self._parts_cache["factors"] = (self.drift.version, {})
+        factor = memo[1].get((k, batch, topology))
+        if factor is None:
+            factor = memo[1][(k, batch, topology)] = self.drift.factor(k, batch, topology)
+        return factor
+
+    def draft_time(self, rows: int) -> float:
+        """One draft forward over ``rows`` rows (``StepCosts.draft_time``), memoised: a plan asks it per
+        position it admits."""
+        t = self._parts_cache.get(("draft", rows))
+        if t is None:
+            t = self._parts_cache[("draft", rows)] = self.costs.draft_time(rows)
+        return t
 
     def calibrated_step_time(self, batch: float, k: int, topology: str = "colocated",
                              draft_rows: float | None = None) -> float:
@@ -132,9 +153,12 @@ class CostModel:
             verify = self.costs.ragged_target_time(batch, extra_tokens, uneven)
         t = verify
         if extra_tokens:
-            t += draft_s + self.costs.draft_step_time(draft_rows) + self.costs.hop(topology)
-        return t if calibrated or self.drift is None else t * self.drift.factor(depth if extra_tokens else 0, batch,
-                                                                                topology)
+            step = self._parts_cache.get(("step", draft_rows, topology))
+            if step is None:
+                step = self._parts_cache[("step", draft_rows, topology)] = (self.costs.draft_step_time(draft_rows)
+                                                                            + self.costs.hop(topology))
+            t += draft_s + step
+        return t if calibrated else t * self._drift_factor(depth if extra_tokens else 0, batch, topology)
 
     def spec_time_per_token(self, batch: float, k: int, a: float, topology: str = "colocated") -> float:
         """Time per emitted token with K-token speculation: a step over E_K(a) tokens, or the
@@ -155,8 +179,7 @@ class CostModel:
         verify, draft, hop = self._step_parts(batch, k, topology)
         kept = a**k
         t = max(draft, verify) + (1.0 - kept) * draft + hop
-        if self.drift is not None:
-            t *= self.drift.factor(k, batch, topology)
+        t *= self._drift_factor(k, batch, topology)
         return t / (expected_tokens_per_step(a, k) - kept)
 
     def overlap_pays(self, batch: float, k: int, a: float, topology: str = "separate") -> bool:

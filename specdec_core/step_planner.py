@@ -191,7 +191,7 @@ class _RaggedPricer:
         self.extra = sum(ks)  # verify tokens beyond one per row
         depth = max(ks, default=0)
         self.rows_at = [sum(1 for k in ks if k > j) for j in range(depth)]  # [depth] rows drafting at position j + 1
-        self.draft_s = sum(model.costs.draft_time(n) for n in self.rows_at) + start_s
+        self.draft_s = sum(model.draft_time(n) for n in self.rows_at) + start_s
 
     def admit(self, position: int, start_s: float = 0.0, verify_tokens: float = 1.0) -> None:
         """One more draft position (1-based ``position`` of its row, ``start_s`` its row's start cost
@@ -202,7 +202,7 @@ class _RaggedPricer:
         if position > len(self.rows_at):
             self.rows_at.append(0)
         n = self.rows_at[position - 1]
-        draft_time = self.model.costs.draft_time
+        draft_time = self.model.draft_time
         self.draft_s += draft_time(n + 1) - (draft_time(n) if n else 0.0)
         self.rows_at[position - 1] = n + 1
 
