@@ -295,9 +295,11 @@ class AdaptiveK:
         or ``REFERENCE_EVERY`` speculative steps since the last one (the machine's load moves)."""
         return self._since_plain.get(self.measured.bucket(batch), REFERENCE_EVERY) >= REFERENCE_EVERY
 
-    def plain_step_time(self, cls: TrafficClass, context_len: int, batch: int) -> float:
-        """A plain step at this batch as this engine measures it (the calibration until it has)."""
-        calibrated = self.cost_model_for(cls, context_len).calibrated_step_time(batch, 0, self.topology)
+    def plain_step_time(self, classes: list[TrafficClass], context_len: int) -> float:
+        """A plain step of these rows as this engine measures it (the calibration until it has), priced as
+        its measured steps were learnt (``step_model``: the rows' share of sampled ones, the step's context)."""
+        batch = len(classes)
+        calibrated = self.step_model(classes, context_len).calibrated_step_time(batch, 0, self.topology)
         seen = self.measured.buckets.get(self.measured.bucket(batch))
         return calibrated * (seen.plain if seen is not None and seen.plain_steps else 1.0)
 

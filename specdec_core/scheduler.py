@@ -362,25 +362,28 @@ class Scheduler:
         # was priced when the row chose to speculate (``AdaptiveK``: it must pay for itself), so it is
         # neither regret (a long prompt's first speculative step would stop the request at once) nor drift.
         # Plain steps feed no draft: they are always step costs.
+        classes = [self._traffic_class(r) for r in rows]
         if catch_up <= 2:
-            self._account_regret(rows, result.proposals, before, step_s)
+            self._account_regret(rows, result.proposals, before, step_s, classes, context_len)
         # Steps whose rows all proposed K tokens (or none), or ran a budgeted plan, teach adaptive K how
         # far real steps run from the calibration.
         if self.budget is not None and catch_up <= 2 and len(self.budget.ks) == len(rows):
-            self.adaptive.observe_ragged_step([self._traffic_class(r) for r in rows], context_len, list(timing.ks),
-                                              step_s)
+            self.adaptive.observe_ragged_step(classes, context_len, list(timing.ks), step_s)
         elif len(proposed) == 1 and (proposed == {0} or catch_up <= 2):
-            self.adaptive.observe_step([self._traffic_class(r) for r in rows], context_len, proposed.pop(), step_s)
+            self.adaptive.observe_step(classes, context_len, proposed.pop(), step_s)
 
-    def _account_regret(self, rows, proposals: list[Proposal], before: list[int], step_s: float) -> None:
-        """Charge each adaptive row that speculated at its own K against plain steps at this batch for the
+    def _account_regret(self, rows, proposals: list[Proposal], before: list[int], step_s: float,
+                        classes: list[TrafficClass], context_len: int) -> None:
+        """Charge each adaptive row that speculated at its own K against plain steps of this batch for the
         tokens it emitted, at its share of the step (``Regret.charge``); a row over its budget decodes plain
         to its end (``adaptive.stop``). A row the batch lifted from its plain price (``AdaptiveK.batch_ks``)
         is not charged: the batch chose its K."""
         per_row = sum(len(p.token_ids) for p in proposals) / len(rows)  # the step's draft tokens per row
+        plain_step = None
         for req, prop, n0 in zip(rows, proposals, before):
             if prop.token_ids and req.params.adaptive_k and req.k_state is not None and req.k_state.k:
-                plain_step = self.adaptive.plain_step_time(self._traffic_class(req), len(req.tokens), len(rows))
+                if plain_step is None:  # the step's rows as its plain steps were measured: once a step
+                    plain_step = self.adaptive.plain_step_time(classes, context_len)
                 emitted = len(req.output_ids) - n0
                 if req.regret.charge(step_s, emitted, len(prop.token_ids), plain_step, len(req.output_ids),
                                      share=len(prop.token_ids) / per_row):

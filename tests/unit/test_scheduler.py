@@ -292,7 +292,7 @@ def test_plain_steps_after_plain_steps_still_teach_the_measured_plain_step():
         result.timing.verify_s = (1.0 if step < 3 else 2.0) if plan.decode else 0.0
         sched.commit(plan, result)
     assert plan.ks == (0,) and plan.decode[0].draft_catch_up > 2
-    assert adaptive.plain_step_time(adaptive.traffic_class(0.0, "default"), 8, 1) > 1.8
+    assert adaptive.plain_step_time([adaptive.traffic_class(0.0, "default")], 8) > 1.8
 
 
 def test_a_machine_slower_than_its_calibration_stops_no_paying_request():
@@ -421,3 +421,20 @@ def test_each_row_counts_the_sampled_rows_it_decoded_beside():
     sched.add(request("s", n=10, k=0, temperature=1.0))
     run(sched, ex)
     assert greedy.stats.decode_steps == 9 and greedy.stats.sampled_share == 0.5
+
+
+def test_the_regret_guards_plain_step_is_the_batchs_as_measured():
+    """A batch of a greedy and a T=1 row ran its plain steps at the blend of the two paths' calibrations; the
+    regret guard weighs each speculating row against that step, not against its own path's (the greedy
+    path's, 20% cheaper here, would charge a greedy row's speculation with a loss the batch never had)."""
+    import dataclasses
+
+    greedy = StepCosts((1, 8), (1, 5), ((0.010, 0.011), (0.012, 0.016)), (0.0005, 0.001), source="test")
+    sampled = dataclasses.replace(greedy, target_s=tuple(tuple(1.5 * t for t in row) for row in greedy.target_s))
+    adaptive = AdaptiveK(CostView(greedy, sampled), AcceptanceTracker(), "d")
+    classes = [adaptive.traffic_class(0.0, "default"), adaptive.traffic_class(1.0, "default")]
+    blend_step = adaptive.step_model(classes, 8).calibrated_step_time(2, 0)
+    for _ in range(5):
+        adaptive.observe_step(classes, 8, 0, blend_step)
+    assert adaptive.plain_step_time(classes, 8) == pytest.approx(blend_step)
+    assert blend_step == pytest.approx(1.25 * adaptive.step_model(classes[:1], 8).calibrated_step_time(2, 0))
