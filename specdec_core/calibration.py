@@ -27,6 +27,13 @@ from specdec_core.step_costs import DEFAULT_BATCHES, DEFAULT_HOP_OVERHEAD_S, DEF
 if TYPE_CHECKING:
     from specdec_core.engine import Engine
 
+# Decode steps run untimed after a prefill: the first ones after it run slow while the caches fill with the
+# weights and the rows' KV again. On an Intel Xeon host (L3 300 MiB) the memory-bound family's batch-8 plain
+# steps took 10-11 ms for the first three and settled at 6.0 after ~6 (context 64; 15.6 -> 9.8 over ~12 at
+# context 320), so a grid timed on the first three priced batch-8 steps 1.5x what served steps took, and its
+# context slopes (the same few steps at 256) came out steep
+WARMUP_STEPS = 8
+
 
 def calibrate(
     engine: Engine, batches=(1, 2, 4, 8, 16, 32), qs=(1, 2, 3, 5, 9), context_len: int = 64, steps: int = 6,
@@ -86,7 +93,7 @@ def calibrate(
         costs = dataclasses.replace(costs, one_extra_s=_one_extra(engine, costs, context_len, steps, temperature))
     if speculative:
         costs = dataclasses.replace(costs, ragged_s=_ragged(engine, costs, context_len, steps, temperature, sweeps))
-    long_context_len = min(long_context_len or 0, engine.max_model_len - (steps + 3) * max(qs))
+    long_context_len = min(long_context_len or 0, engine.max_model_len - (steps + 3 + WARMUP_STEPS) * max(qs))
     if long_context_len > context_len:
         costs = _context_slopes(engine, costs, qs, long_context_len, steps, temperature, sweeps)
     runner = getattr(proposer, "runner", None)
@@ -163,9 +170,12 @@ def _context_slopes(
 def _time_steps(engine: Engine, batch: int, k: int, context_len: int, steps: int, temperature: float = 0.0,
                 ks: Sequence[int] | None = None) -> tuple[float, float]:
     """Median (verify seconds, propose seconds) of ``steps`` decode steps at this batch and K (or at
-    ``ks``, one K per row: a ragged step)."""
+    ``ks``, one K per row: a ragged step), after ``WARMUP_STEPS`` untimed ones (fewer where the engine is too short)."""
     ks = list(ks) if ks is not None else [k] * batch
-    params = [SamplingParams(max_new_tokens=(steps + 3) * (max(ks) + 1), temperature=temperature, seed=0,
+    width = max(ks) + 1
+    # an engine too short for the whole warm-up (a tiny max_model_len) warms up on what it holds beside a prompt
+    warmup = max(0, min(WARMUP_STEPS, (engine.max_model_len - min(context_len, 8)) // width - steps - 3))
+    params = [SamplingParams(max_new_tokens=(steps + 3 + warmup) * width, temperature=temperature, seed=0,
                              ignore_eos=True, num_speculative_tokens=row_k) for row_k in ks]
     context_len = min(context_len, engine.max_model_len - params[0].max_new_tokens)
     period = [(7 * i + 3) % engine.target.vocab_size for i in range(7)]
@@ -175,6 +185,8 @@ def _time_steps(engine: Engine, batch: int, k: int, context_len: int, steps: int
     try:
         engine.step()  # prefill
         engine.step()  # the draft's catch-up on the prompt
+        for _ in range(warmup):
+            engine.step()
         for _ in range(steps):
             engine.step()
             verify.append(engine.last_step.verify_s)

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec_core.acceptance import ProposalCoverage, TrafficClass
@@ -39,6 +39,16 @@ from specdec_core.step_planner import StepBudget
 from specdec_core.verifier import VerifyResult
 
 NO_PROPOSAL = Proposal([], None)
+
+
+def step_context(rows: Sequence[RequestState]) -> int:
+    """The context a decode step of ``rows`` is priced and learnt at: their mean, rounded up. Attention
+    reads each row's own cache, so a step costs the calibration's slope per token and row times the sum of
+    their contexts (``StepCosts.at_context``), which the mean prices exactly. Priced at the longest row,
+    a steady batch 8 (rows from just admitted to nearly done) ran its plain steps at 0.87x their price and
+    the drain of the same cell (its last, long rows) at 1.11-1.25x, and the drift of their shared bucket
+    swung between the two."""
+    return -(-sum(len(r.tokens) for r in rows) // len(rows))
 
 
 class ScheduledRequest(RequestState):
@@ -190,7 +200,7 @@ class Scheduler:
                 ks, adaptive, [self._lift_cap(r, now) if on and not k else 0 for r, on, k in zip(rows, adaptive, ks)],
                 [self._traffic_class(r) for r in rows],
                 [(r.stats.accepted, sum(r.stats.proposed_per_position), r.params.class_acceptance) for r in rows],
-                max(len(r.tokens) for r in rows),
+                step_context(rows),
             )
         batch_ks = ks
         if any(ks) and all(on for on, k in zip(adaptive, ks) if k) and self.adaptive.reference_due(batch):
@@ -231,7 +241,7 @@ class Scheduler:
             return fixed
         if self.adaptive.reference_due(len(rows)) and not any(fixed):
             return [0] * len(rows)  # the drift's reference: one measured plain step (adaptive.py)
-        key = (tuple(r.request_id for r in rows), tuple(fixed), -(-max(len(r.tokens) for r in rows) // CONTEXT_BUCKET))
+        key = (tuple(r.request_id for r in rows), tuple(fixed), -(-step_context(rows) // CONTEXT_BUCKET))
         if self._plain_plan_stands(key, rows):
             self._plain_plan.steps += 1
             self.budget = self._plain_plan.budget
@@ -240,7 +250,7 @@ class Scheduler:
             [self._traffic_class(r) for r in rows],
             [(r.stats.accepted_per_position, r.stats.proposed_per_position, r.params.class_acceptance) for r in rows],
             [r.budget_k(r.params.num_speculative_tokens, self.max_model_len) for r in rows],
-            fixed, max(len(r.tokens) for r in rows), [r.plain_run for r in rows],
+            fixed, step_context(rows), [r.plain_run for r in rows],
             [r.draft_catch_up for r in rows], [r.params.max_new_tokens - len(r.output_ids) for r in rows],
             [r.coverage for r in rows],
         )
@@ -337,7 +347,7 @@ class Scheduler:
         # nothing; counted, a mixed plan's plain row kept every step of its batch from the drift)
         catch_up = max((r.draft_catch_up for r, k in zip(rows, plan.ks) if k), default=1)
         before = [len(r.output_ids) for r in rows]
-        context_len = max(len(r.tokens) for r in rows)  # what the step was priced at (the longest row)
+        context_len = step_context(rows)  # what the step was priced at
         for i, (req, res, prop) in enumerate(zip(rows, verified, result.proposals)):
             if self.budget is not None and plan.ks[i] and req.carried is None and i not in result.draft_failed:
                 # What only a budgeted plan reads: what its proposer delivered of a fresh ask (a carried

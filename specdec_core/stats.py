@@ -110,7 +110,7 @@ class StepTiming:
     draft_tokens: int = 0  # proposed over all rows: the verify is batch + draft_tokens tokens (ragged)
     emitted: int = 0  # tokens the decode rows emitted
     ks: tuple[int, ...] = ()  # per decode row: the tokens it proposed
-    context_len: int = 0  # the decode rows' longest context (what the step is priced at)
+    context_len: int = 0  # the decode rows' mean context (what the step is priced at: ``step_context``)
     planned_speedup: float = 0.0  # a budgeted plan's expected tokens per second over a plain step's (0: none)
     prefill_rows: int = 0
     propose_s: float = 0.0

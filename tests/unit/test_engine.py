@@ -128,8 +128,8 @@ def test_stats_say_the_batch_a_request_decoded_in(engine):
 
 
 def test_a_step_records_the_context_it_ran_at(engine):
-    """``last_step.context_len``: the longest decode row's tokens when the step ran (what the step is priced
-    at, and what the budget benchmark prices it at)."""
+    """``last_step.context_len``: the decode rows' mean tokens when the step ran, rounded up (what the step is
+    priced at, and what the budget benchmark prices it at)."""
     engine.add_request([5, 9, 12], SamplingParams(max_new_tokens=8, ignore_eos=True))
     engine.add_request([7] * 20, SamplingParams(max_new_tokens=8, ignore_eos=True))
     engine.step()  # both prefills: one token each
@@ -138,7 +138,7 @@ def test_a_step_records_the_context_it_ran_at(engine):
         engine.step()
         if engine.last_step.batch:
             contexts.append(engine.last_step.context_len)
-    assert contexts == list(range(21, 28))  # the long row's 20 + 1, growing a token a step
+    assert contexts == list(range(13, 20))  # (3 + 1 + 20 + 1) / 2 rounded up, growing a token a step
 
 
 def test_seeded_sampling_is_deterministic(engine):

@@ -438,3 +438,29 @@ def test_the_regret_guards_plain_step_is_the_batchs_as_measured():
         adaptive.observe_step(classes, 8, 0, blend_step)
     assert adaptive.plain_step_time(classes, 8) == pytest.approx(blend_step)
     assert blend_step == pytest.approx(1.25 * adaptive.step_model(classes[:1], 8).calibrated_step_time(2, 0))
+
+
+def test_a_step_is_priced_and_learnt_at_its_rows_mean_context():
+    """Attention reads each row's own cache: a step of a short and a long row costs the calibration's slope
+    times the sum of their contexts, which their mean prices. Its plain steps, taking exactly that, teach a
+    drift of ~1; priced at the longest row they taught 0.87 at a steady batch 8 (rows from just admitted to
+    nearly done) while the same bucket's drain (its last, long rows) taught 1.1-1.25."""
+    base, slope = 0.010, 2e-5  # seconds; seconds per context token and row
+    costs = StepCosts((1, 2), (1, 5), ((base, 0.012), (base, 0.012)), (0.0005, 0.001), source="test",
+                      context_len=0, context_slope_s=(slope, slope))
+    adaptive = AdaptiveK(CostView(costs), AcceptanceTracker(), "d")
+    sched, ex = Scheduler(2, 512, speculative=True, adaptive=adaptive), FakeExecutor()
+    params = SamplingParams(max_new_tokens=30, num_speculative_tokens=0, ignore_eos=True)
+    rows = [ScheduledRequest("short", [1] * 2, params, _Tok(), eos_ids=set()),
+            ScheduledRequest("long", [1] * 190, params, _Tok(), eos_ids=set())]
+    for row in rows:
+        sched.add(row)
+    for _ in range(28):
+        plan = sched.schedule(free_slots=8)
+        result = ex.execute(plan)
+        if plan.decode:  # what the rows' reads take
+            result.timing.verify_s = base + slope * sum(len(r.tokens) for r in plan.decode)
+        sched.commit(plan, result)
+    assert result.timing.context_len == -(-sum(len(r.tokens) - 1 for r in rows) // 2)
+    drift = adaptive.view.drift.buckets[adaptive.view.drift.bucket(2)]
+    assert drift.plain_steps >= 20 and drift.plain == pytest.approx(1.0, abs=0.06)
