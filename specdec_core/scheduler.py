@@ -241,7 +241,8 @@ class Scheduler:
             return fixed
         if self.adaptive.reference_due(len(rows)) and not any(fixed):
             return [0] * len(rows)  # the drift's reference: one measured plain step (adaptive.py)
-        key = (tuple(r.request_id for r in rows), tuple(fixed), -(-step_context(rows) // CONTEXT_BUCKET))
+        context_len = step_context(rows)
+        key = (tuple(r.request_id for r in rows), tuple(fixed), -(-context_len // CONTEXT_BUCKET))
         if self._plain_plan_stands(key, rows):
             self._plain_plan.steps += 1
             self.budget = self._plain_plan.budget
@@ -250,7 +251,7 @@ class Scheduler:
             [self._traffic_class(r) for r in rows],
             [(r.stats.accepted_per_position, r.stats.proposed_per_position, r.params.class_acceptance) for r in rows],
             [r.budget_k(r.params.num_speculative_tokens, self.max_model_len) for r in rows],
-            fixed, step_context(rows), [r.plain_run for r in rows],
+            fixed, context_len, [r.plain_run for r in rows],
             [r.draft_catch_up for r in rows], [r.params.max_new_tokens - len(r.output_ids) for r in rows],
             [r.coverage for r in rows],
         )
