@@ -11,6 +11,7 @@ Each layer takes its own attention mask from the runner, so Mistral's sliding wi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,15 @@ class FusedLlamaLayers:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
+        # What one forward reads: each projection's kernel is probed on a working set this large.
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = Projection(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-            gate_up = Projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            o_proj, down = Projection(attn.o_proj.weight), Projection(mlp.down_proj.weight)
+            proj = functools.partial(Projection, model_bytes=self.weight_bytes)
+            qkv = proj(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+            gate_up = proj(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            o_proj, down = proj(attn.o_proj.weight), proj(mlp.down_proj.weight)
             share_weight(qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
             share_weight(gate_up, (mlp.gate_proj, mlp.up_proj))
             share_weight(o_proj, (attn.o_proj,))

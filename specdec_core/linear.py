@@ -28,10 +28,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-# A probe's weights span this much memory, more than a last-level cache (32 MB on the AMD EPYC host),
-# so every call reads its weight from DRAM; a tiny weight gets at most MAX_COLD_COPIES copies.
-COLD_SET_BYTES = 64 << 20
-MAX_COLD_COPIES = 64
+# A probe cycles through copies of its weight that span the model's weights, so each call reads its weight
+# from where a forward of that model does: a cache for a model that fits one, memory for one that does not.
+# The span is capped past any last-level cache (300 MiB on the Intel Xeon host), and a tiny weight gets at
+# most MAX_COLD_COPIES copies.
+MAX_PROBE_SET_BYTES = 1 << 30
+MAX_COLD_COPIES = 256
 PACKED_MAX_ROWS = 64  # bounds the distinct oneDNN primitives (memory kept per row count)
 # Row counts timed when a weight shape is first seen. 2 is among them: unprobed, a 2-row product took
 # x @ W^T's path, and on the AMD EPYC host a 2-token forward of the served target cost 1.6x a 1-token
@@ -75,20 +77,25 @@ def _best_us(fn: Callable[[], torch.Tensor], calls: int = 10, repeats: int = 3) 
     return min(times) * 1e6
 
 
-def _cold_copies(weight_bytes: int) -> int:
-    """Weights a probe cycles through so that each call reads its weight from memory, as a forward of a
-    model larger than the cache does. Timed cache-hot, the two kernels compare as compute, not as
-    the weight stream decode is: on the served target (AMD EPYC) hot probes kept the packed kernel
-    out of 16 rows for the 576x576 projection, and a batch-16 step took 35.7 ms against 25.5 ms with it."""
-    return max(1, min(MAX_COLD_COPIES, -(-COLD_SET_BYTES // weight_bytes)))
+def _cold_copies(weight_bytes: int, model_bytes: int) -> int:
+    """Weights a probe cycles through so that each call reads its weight from where a forward of the
+    model reads it. Timed cache-hot, the two kernels compare as compute, not as the weight stream decode
+    is: on the served target (AMD EPYC) hot probes kept the packed kernel out of 16 rows for the 576x576
+    projection, and a batch-16 step took 35.7 ms against 25.5 ms with it. Timed on a fixed 64 MiB set on
+    a host with a 300 MiB cache (Intel Xeon), a 528 MB target's probes ran cache-hot as well and kept the
+    packed kernel out; its batch-4 plain decode ran 18% slower (BENCHMARKS.md, "A target larger than the
+    cache")."""
+    span = min(max(model_bytes, weight_bytes), MAX_PROBE_SET_BYTES)
+    return max(1, min(MAX_COLD_COPIES, -(-span // weight_bytes)))
 
 
 @functools.cache
-def packed_rows(in_features: int, out_features: int, threads: int) -> range | None:
+def packed_rows(in_features: int, out_features: int, threads: int, model_bytes: int) -> range | None:
     """Measured on this host: the row counts where the packed kernel beats ``x @ W^T`` for this shape,
-    each call on a weight not in the cache (``_cold_copies``)."""
+    each call on a weight read from where a forward of a model of ``model_bytes`` reads it
+    (``_cold_copies``)."""
     gen = torch.Generator().manual_seed(0)
-    copies = _cold_copies(4 * in_features * out_features)
+    copies = _cold_copies(4 * in_features * out_features, model_bytes)
     weights = [torch.randn(out_features, in_features, generator=gen) for _ in range(copies)]
     plain_ws = [w.t().contiguous() for w in weights]
     packed_ws = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
@@ -103,13 +110,14 @@ def packed_rows(in_features: int, out_features: int, threads: int) -> range | No
 class Projection:
     """y = x @ W^T for a weight W [out, in], with the kernel chosen by the number of token rows."""
 
-    def __init__(self, weight: torch.Tensor, packed_band: range | None | str = "measure"):  # [out, in]
+    def __init__(self, weight: torch.Tensor, packed_band: range | None | str = "measure",
+                 model_bytes: int = 0):  # weight: [out, in]; model_bytes: the weights one forward reads
         self.weight_t = weight.detach().t().contiguous()  # [in, out]
         self.out_features, in_features = weight.shape
         if not _prepack_supported(weight):
             packed_band = None
         elif packed_band == "measure":
-            packed_band = packed_rows(in_features, self.out_features, torch.get_num_threads())
+            packed_band = packed_rows(in_features, self.out_features, torch.get_num_threads(), model_bytes)
         self.packed_band = packed_band
         # oneDNN's blocked layout: one extra copy of the weight, kept only where it is used.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if packed_band else None

@@ -123,7 +123,7 @@ class ModelRunner:
         self._fused = FusedLlamaLayers(model) if can_fuse(model) else None
         self._lm_head = model.lm_head
         if self._fused is not None:
-            self._lm_head = Projection(model.lm_head.weight)
+            self._lm_head = Projection(model.lm_head.weight, model_bytes=self._fused.weight_bytes)
             tied = model.lm_head.weight is self._embed.weight
             share_weight(self._lm_head, (model.lm_head,))
             if tied:  # keep the tie: the embedding reads the same memory

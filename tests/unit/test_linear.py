@@ -53,3 +53,30 @@ def test_modules_share_the_projection_memory():
     torch.testing.assert_close(torch.cat([q(x), k(x)], -1), proj(x), rtol=1e-5, atol=1e-5)
     proj.weight_t.zero_()  # one storage: the modules see the change
     assert q.weight.abs().sum() == 0 and k.weight.abs().sum() == 0
+
+
+def test_a_probe_reads_its_weight_from_where_the_models_forward_does():
+    """The copies a probe cycles through span the model's weights (capped past any cache): a model
+    that fits a cache is probed cache-hot, one that does not is probed from memory."""
+    from specdec_core.linear import MAX_COLD_COPIES, MAX_PROBE_SET_BYTES, _cold_copies
+
+    weight = 4 << 20
+    assert _cold_copies(weight, model_bytes=14 << 20) == 4  # the tiny family: its forward stays in a cache
+    assert _cold_copies(weight, model_bytes=528 << 20) == 132  # a target larger than a 300 MiB cache
+    assert _cold_copies(weight, model_bytes=1 << 40) * weight == MAX_PROBE_SET_BYTES  # a 1 TB model: the cap
+    assert _cold_copies(weight, model_bytes=0) == 1
+    assert _cold_copies(1 << 10, model_bytes=528 << 20) == MAX_COLD_COPIES
+
+
+def test_the_runner_probes_each_projection_on_its_models_weight_bytes(monkeypatch, tiny_models):
+    from specdec_core import linear
+    from specdec_core.runner import ModelRunner
+
+    probed = []
+    monkeypatch.setattr(linear, "packed_rows", lambda *shape: probed.append(shape) or None)
+    runner = ModelRunner.from_pretrained(tiny_models["target"], device="cpu", max_slots=1, max_len=16)
+    if not linear._prepack_supported(runner.model.lm_head.weight):
+        pytest.skip("no oneDNN in this torch build")
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert len(probed) == 4 * runner.model.config.num_hidden_layers + 1  # every projection and the lm head
+    assert {shape[-1] for shape in probed} == {weight_bytes}
