@@ -24,6 +24,7 @@ from deployments.engine_replica import EngineReplica
 from deployments.router import Router
 from deployments.session_router import SessionAffinityRouter
 from deployments.target import Target
+from modelzoo.grow import build as build_model
 
 # The replica half of Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED): user code and
 # the handle's request router run on the replica's main event loop, so a call or a streamed message
@@ -53,6 +54,9 @@ def _affinity() -> RequestRouterConfig:
 
 def build_app(args: dict | None = None) -> Application:
     cfg = AppConfig(**(args or {})).resolved()
+    for path in (cfg.target, cfg.draft):  # a model kept as a recipe (models/dram-wide) is built once, here,
+        if path:                           # before any replica loads it
+            build_model(path)
     config = cfg.model_dump()
     handles: dict[str, Any] = {}
     if cfg.has_plain:

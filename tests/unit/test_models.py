@@ -101,3 +101,34 @@ def test_growth_preserves_the_function():
     x = torch.randint(0, c.vocab_size, (2, 48))
     with torch.no_grad():
         assert torch.allclose(big(input_ids=x).logits, small(input_ids=x).logits, atol=1e-4)
+
+
+def test_a_widened_model_computes_the_same_logits_from_four_times_the_weights(tiny_models, tmp_path):
+    """`python -m modelzoo.grow SRC OUT --factor 2`: the served family's target made larger than a host's
+    cache (models/dram-wide), same function, loaded by a plain from_pretrained."""
+    from modelzoo.grow import main
+
+    main([tiny_models["target"], str(tmp_path / "wide"), "--factor", "2"])
+    small = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
+    wide = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "wide")).eval()
+    assert wide.dtype == torch.float32 and wide.config.hidden_size == 2 * small.config.hidden_size
+    layer_params = [sum(p.numel() for p in m.model.layers.parameters()) for m in (small, wide)]
+    assert layer_params[1] == pytest.approx(4 * layer_params[0], rel=0.01)  # norms grow 2x, matrices 4x
+    x = torch.randint(0, small.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(wide(input_ids=x).logits, small(input_ids=x).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_recipe_folder_is_built_where_it_runs_and_the_same_every_time(tiny_models, tmp_path):
+    """models/dram-wide keeps only recipes in git (grown.json); the app builder and the benchmark build
+    what is missing, byte for byte the model `modelzoo.grow` wrote."""
+    from modelzoo.grow import build, build_missing, widen
+
+    family = tmp_path / "family"
+    widen(tiny_models["target"], family / "target", factor=2)
+    first = (family / "target" / "model.safetensors").read_bytes()
+    (family / "target" / "model.safetensors").unlink()
+    assert build_missing(family) == [family / "target"]
+    assert (family / "target" / "model.safetensors").read_bytes() == first
+    assert not build(family / "target")  # built: nothing to do
+    assert not build(tiny_models["draft"])  # a trained model is no recipe
