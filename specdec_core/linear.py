@@ -83,8 +83,8 @@ def _cold_copies(weight_bytes: int, model_bytes: int) -> int:
     is: on the served target (AMD EPYC) hot probes kept the packed kernel out of 16 rows for the 576x576
     projection, and a batch-16 step took 35.7 ms against 25.5 ms with it. Timed on a fixed 64 MiB set on
     a host with a 300 MiB cache (Intel Xeon), a 528 MB target's probes ran cache-hot as well and kept the
-    packed kernel out; its batch-4 plain decode ran 18% slower (BENCHMARKS.md, "A target larger than the
-    cache")."""
+    packed kernel out of most of its 4-16-row products: a batch-8 plain step took 81.8 ms against 58.6
+    probed on the model's span (BENCHMARKS.md, "A target larger than the cache")."""
     span = min(max(model_bytes, weight_bytes), MAX_PROBE_SET_BYTES)
     return max(1, min(MAX_COLD_COPIES, -(-span // weight_bytes)))
 
