@@ -65,7 +65,7 @@ RECIPE = "grown.json"  # how a built model was made: the folder it widens (relat
 def widen(src, out, factor: int, seed: int = 0) -> None:
     """Write the model at ``src`` widened ``factor`` times (``grow``, no layer added) to ``out``: the same
     logits from factor^2 the weight bytes. The weights keep the dtype they have on disk (the family stores
-    fp16 values, which tiling and a division by a power of two keep exact); the config keeps its own. The
+    fp16 values, which tiling and a division by a power of two keep exact); the config says float32. The
     weights file lands last, by a rename: a folder with one is whole."""
     import json
     import tempfile

@@ -48,10 +48,10 @@ class FusedLlamaLayers:
         self.scale = self.head_dim**-0.5
         # What one forward reads: each projection's kernel is probed on a working set this large.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        proj = functools.partial(Projection, model_bytes=self.weight_bytes)
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            proj = functools.partial(Projection, model_bytes=self.weight_bytes)
             qkv = proj(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
             gate_up = proj(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
             o_proj, down = proj(attn.o_proj.weight), proj(mlp.down_proj.weight)
