@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                         "prose:0 prose:1:sampler code:0:coder (in place of --prompts/--temperature/--user)")
     p.add_argument("--interleave", action="store_true",
                    help="modes take turns round by round on the same prompts (auto first)")
+    p.add_argument("--round-requests", type=int, default=None,
+                   help="with --interleave: requests per mode per round (default 4 x concurrency; "
+                        "= concurrency: each round is one burst)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("metrics", help="a real Prometheus against a running server: every dashboard panel has "
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ray-temp", default="/tmp/ray", help="the Ray cluster's --temp-dir (service discovery file)")
     p.set_defaults(func=_metrics)
 
-    p = sub.add_parser("overhead", help="in-process engine vs a running server, same prompts, one run")
+    p = sub.add_parser("overhead", help="in-process engine vs a running server, same prompts, alternating runs")
     _server_load_args(p)
     p.add_argument("--target", type=Path, default=None, help="default: the shipped target")
     p.add_argument("--draft", type=Path, default=None, help="default: the shipped draft")
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--k", type=int, default=4, help="K of co-located speculation (the server's default_k)")
     p.add_argument("--threads", type=int, default=1, help="torch threads in-process (a replica's torch_threads)")
+    p.add_argument("--reps", type=int, default=3, help="alternating in-process/served runs per cell (medians)")
     p.set_defaults(func=_overhead)
 
     p = sub.add_parser("faults", help="mixed load on a running server while random replicas are killed")

@@ -7,7 +7,10 @@ speculative (K = the server's default_k), at each concurrency. In-process concur
 of c requests added together; served concurrency c is c closed-loop clients. Reported per cell:
 tokens/s (both sides and their ratio), in-process time to first token (prefill, queueing
 included) against served TTFT, per-token time, and the CPU share the load generator itself used
-while the server was measured (it shares the machine's cores with the server).
+while the server was measured (it shares the machine's cores with the server). In-process and
+served runs alternate ``--reps`` times and each cell reports medians (the ratio's range beside): this
+host's speed moves by 10-25% over minutes, and one pair of runs gave served plain at 0.78x on one
+server and 1.00x on the next.
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ async def served(url: str, model: str, prompts: list[str], concurrency: int, mod
             "load_generator_cpu_share": cpu / wall}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Each field's median over repetitions."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
 def run_overhead(args) -> dict:
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.requests)
@@ -81,14 +89,17 @@ def run_overhead(args) -> dict:
         for c in args.concurrency:
             in_process(engine, prompts[:c], c, k, args.max_tokens)  # warm-up
             asyncio.run(served(args.url, model, prompts[:c], c, mode, args.max_tokens))
-            local = in_process(engine, prompts, c, k, args.max_tokens)
-            remote = asyncio.run(served(args.url, model, prompts, c, mode, args.max_tokens))
+            pairs = [(in_process(engine, prompts, c, k, args.max_tokens),
+                      asyncio.run(served(args.url, model, prompts, c, mode, args.max_tokens)))
+                     for _ in range(args.reps)]
+            local, remote = (median_run([pair[side] for pair in pairs]) for side in (0, 1))
+            ratios = sorted(b["tok_s"] / a["tok_s"] for a, b in pairs)
             cells.append({"mode": mode, "concurrency": c, "in_process": local, "served": remote,
-                          "served_vs_in_process": remote["tok_s"] / local["tok_s"],
-                          "ttft_overhead_ms": remote["ttft_ms"] - local["ttft_ms"]})
+                          "served_vs_in_process": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]],
+                          "ttft_overhead_ms": statistics.median(b["ttft_ms"] - a["ttft_ms"] for a, b in pairs)})
             print(f"{mode:9s} c={c}: in-process {local['tok_s']:.0f} tok/s, served {remote['tok_s']:.0f} tok/s "
-                  f"({cells[-1]['served_vs_in_process']:.2f}x), TTFT {local['ttft_ms']:.1f} -> "
-                  f"{remote['ttft_ms']:.1f} ms", flush=True)
+                  f"({cells[-1]['served_vs_in_process']:.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}), "
+                  f"TTFT {local['ttft_ms']:.1f} -> {remote['ttft_ms']:.1f} ms", flush=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
     return {"machine": machine_facts(args.threads), "config": config, "cells": cells}
 
@@ -96,12 +107,14 @@ def run_overhead(args) -> dict:
 def overhead_markdown(data: dict) -> str:
     lines = ["# Serving overhead: in-process engine vs served, same prompts", "",
              f"Config: {data['config']}", "",
-             ("| mode | concurrency | in-process tok/s | served tok/s | served / in-process | in-process TTFT ms | "
-              "served TTFT ms | in-process TPOT ms | served TPOT ms | load generator CPU |"),
+             ("| mode | concurrency | in-process tok/s | served tok/s | served / in-process (range) | "
+              "in-process TTFT ms | served TTFT ms | in-process TPOT ms | served TPOT ms | load generator CPU |"),
              "|---" * 10 + "|"]
     for c in data["cells"]:
         a, b = c["in_process"], c["served"]
+        lo, hi = c["ratio_range"]
         lines.append(f"| {c['mode']} | {c['concurrency']} | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
-                     f"{c['served_vs_in_process']:.2f}x | {a['ttft_ms']:.1f} | {b['ttft_ms']:.1f} | "
+                     f"{c['served_vs_in_process']:.2f}x ({lo:.2f}-{hi:.2f}) | "
+                     f"{a['ttft_ms']:.1f} | {b['ttft_ms']:.1f} | "
                      f"{a['tpot_ms']:.2f} | {b['tpot_ms']:.2f} | {100 * b['load_generator_cpu_share']:.0f}% |")
     return "\n".join(lines) + "\n"

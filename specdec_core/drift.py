@@ -93,12 +93,10 @@ class StepDrift:
         return 1 << (max(k, 1) - 1).bit_length()
 
     def factor(self, k: int, batch: float = 1, topology: str = "colocated") -> float:
-        d = self.buckets.get(self.bucket(batch))
-        if d is None or d.outlier_rate > 0.1 or d.plain_steps < self.min_steps:
+        d = self._learnt(batch)
+        if d is None:
             return 1.0
         colocated, separate = d.spec_steps >= self.min_steps, d.separate_steps >= self.min_steps
-        if not (colocated or separate):
-            return 1.0
         if k == 0:
             return d.plain
         if topology == "separate":
@@ -109,6 +107,26 @@ class StepDrift:
         if not colocated:
             return d.plain * d.separate
         return d.plain * self._colocated(d, k)
+
+    def _learnt(self, batch: float) -> _Drift | None:
+        """The factors that price ``batch``: its bucket's once they apply (plain and a speculative kind seen
+        ``min_steps`` times), else an adjacent bucket's; None (the calibration as is) where neither has them,
+        or where the batch's own bucket is off the calibration. Why the neighbour: a c=16 load's requests
+        were priced at batch 17-20 (the rows expected to join them), a bucket no step had run in, at the
+        calibration, while batch 9-16 had learnt plain steps at 1.56x it and K=2 steps at 1.95x plain:
+        priced 1.15x, they followed the load into the co-located pool, whose adaptive K ran 86% of their
+        steps plain, and auto served 0.96x of plain. Not further than one power of two: a factor learnt
+        at batch 1 made speculation look cheap at batch 16."""
+        home = self.bucket(batch)
+        own = self.buckets.get(home)
+        if own is not None and own.outlier_rate > 0.1:
+            return None
+        for near in (home, home - 1, home + 1):
+            d = self.buckets.get(near)
+            if d is not None and d.outlier_rate <= 0.1 and d.plain_steps >= self.min_steps and \
+                    max(d.spec_steps, d.separate_steps) >= self.min_steps:
+                return d
+        return None
 
     def _colocated(self, d: _Drift, k: int) -> float:
         """Co-located steps' factor relative to plain at K=``k``: its depth's own, once measured, else all depths'."""
@@ -178,18 +196,25 @@ class StepDrift:
         index 0 plain) and took ``measured_s`` in all, one step of K priced ``step_s(k)`` by the calibration.
         Its plain steps are priced with plain's factor and the rest of the time teaches the speculative
         steps, as one observation at its most frequent K. Unless they are under ``MIN_SPEC_SHARE`` of its
-        calibrated time: what is left would then be mostly the noise of its plain steps. Why: served auto
-        requests that adaptive K moved between K=0 and K>0 taught nothing, only requests of one K did: on
-        the tiny family at batch 8, of ~190 auto requests in the co-located pool 8 taught the drift
-        (BENCHMARKS.md, "What the replica declined")."""
+        calibrated time: what is left would then be mostly the noise of its plain steps, so the request
+        teaches its plain steps instead, its speculative ones priced as learnt. Why: served auto requests
+        that adaptive K moved between K=0 and K>0 taught nothing, only requests of one K did: on the tiny
+        family at batch 8, of ~190 auto requests in the co-located pool 8 taught the drift (BENCHMARKS.md,
+        "What the replica declined"); and a fresh server's c=16 load on code, routed co-located where
+        adaptive K ran most of its steps plain, taught nothing for a round of 64 requests while its
+        calibration priced batch 16 a third under what its steps took."""
         plain_s = steps[0] * step_s(0) if steps else 0.0
         spec = {k: n for k, n in enumerate(steps) if k and n}
         spec_s = sum(n * step_s(k) for k, n in spec.items())
-        if not spec or spec_s < MIN_SPEC_SHARE * (plain_s + spec_s):
+        if not spec:
+            return
+        top = max(spec, key=spec.get)
+        if spec_s < MIN_SPEC_SHARE * (plain_s + spec_s):
+            self.observe(0, measured_s - self.factor(top, batch) * spec_s, plain_s, batch)
             return
         d = self.buckets.get(self.bucket(batch))
         plain_factor = d.plain if d is not None else 1.0
-        self.observe(max(spec, key=spec.get), measured_s - plain_factor * plain_s, spec_s, batch)
+        self.observe(top, measured_s - plain_factor * plain_s, spec_s, batch)
 
     def _toward(self, factor: float, ratio: float, n: int) -> float:
         """A factor after its n-th observation: the plain mean of the first 1 / weight, a moving average after."""

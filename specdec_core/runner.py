@@ -328,6 +328,16 @@ class ModelRunner:
             return self._packed_logits(hidden[0], q, num_logits)
         return self._logits(hidden, q, num_logits)
 
+    def kernel_bands(self) -> dict[str, range | None]:
+        """Per projection of the fused stack, the token rows where it takes the packed kernel, as probed in
+        this process (``linear.packed_rows``; every layer has the same shapes): what to compare when one
+        process's steps run slower than another's on the same host. Empty off the fused stack."""
+        if self._fused is None:
+            return {}
+        _, qkv, o_proj, _, gate_up, down = self._fused.layers[0]
+        return {"qkv": qkv.packed_band, "o_proj": o_proj.packed_band, "gate_up": gate_up.packed_band,
+                "down": down.packed_band, "lm_head": self._lm_head.packed_band}
+
     def _layer_masks(self, positions: torch.Tensor, kv_len: int, ragged: bool) -> list[torch.Tensor | None]:
         # positions: [B, Q] -> per layer, a [B, 1, Q, kv_len] bool mask, or None: attend to every column.
         # A query at position t sees its own cache columns 0..t: causal within the row, nothing of

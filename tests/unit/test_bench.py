@@ -273,3 +273,15 @@ def test_budget_cells_keep_each_modes_acceptance_to_its_own_runs(family):
     run_cell(engines, BudgetCell("prose b2", "draft", 2, (("prose", 0.0),), 8), 1, family)
     assert seen[True] and seen[False] and not seen[True] & seen[False]
     assert engine.adaptive.tracker is fresh and fresh.evidence(engine.adaptive.traffic_class(0.0, "prose")) == 0
+
+
+def test_an_interleaved_round_holds_four_requests_per_client_unless_told():
+    """`serve --interleave`: a round of one request per client drains to its slowest request (a burst); by
+    default each client sends four, and ``--round-requests`` sets the round (never beyond the pass)."""
+    from argparse import Namespace
+
+    from specdec_bench.load import round_size
+
+    assert round_size(Namespace(requests=384, concurrency=16, round_requests=None)) == 64
+    assert round_size(Namespace(requests=384, concurrency=16, round_requests=16)) == 16
+    assert round_size(Namespace(requests=8, concurrency=4)) == 8

@@ -73,7 +73,7 @@ def test_a_request_of_several_k_teaches_what_its_speculative_steps_took():
     """Plain steps run 1.2x their price. A request ran 10 plain steps (price 1.0 each) and 5 K=4 and 1
     K=2 steps (2.0 and 1.5): of its 34.8 s, 12 were its plain steps at plain's factor, so its speculative
     ones ran 1.2 * 1.5x theirs, learnt at K=4's depth. One whose speculative steps are under a fifth of
-    its priced time teaches nothing."""
+    its priced time teaches its plain steps, its speculative ones priced as learnt."""
     drift = StepDrift()
     for _ in range(30):
         drift.observe(0, 1.2, 1.0)
@@ -81,8 +81,10 @@ def test_a_request_of_several_k_teaches_what_its_speculative_steps_took():
     for _ in range(30):
         drift.observe_mixed([10, 0, 1, 0, 5], 12.0 + 1.2 * 1.5 * 11.5, price)
     assert drift.factor(4) == pytest.approx(1.8) and drift.buckets[0].depth_steps == {4: 30}
-    drift.observe_mixed([40, 0, 0, 0, 1], 100.0, price)
-    assert drift.buckets[0].spec_steps == 30
+    plain_steps = drift.buckets[0].plain_steps
+    drift.observe_mixed([40, 0, 0, 0, 1], 1.5 * 40 + 1.8 * 2.0, price)  # plain steps at 1.5x their price
+    assert drift.buckets[0].spec_steps == 30 and drift.buckets[0].plain_steps == plain_steps + 1
+    assert drift.factor(0) == pytest.approx(1.2 + 0.05 * (1.5 - 1.2))
 
 
 def test_a_phase_of_the_host_moves_every_kind_of_step_with_plain():
@@ -150,3 +152,20 @@ def test_a_calibration_twice_too_dear_is_still_learnt():
         drift.observe(0, 0.45, 1.0)
         drift.observe(2, 0.8, 1.0)
     assert drift.factor(0) == pytest.approx(0.45) and drift.factor(2) == pytest.approx(0.8)
+
+
+def test_a_batch_no_step_has_run_at_is_priced_with_the_adjacent_buckets_factors():
+    """Batch 9-16 learnt plain steps at 1.5x the calibration and K=2 steps at 1.2x plain: a request priced at
+    batch 20 (17-32, where no step ran) takes those factors, not the calibration; batch 64 (two powers of two
+    off) and a bucket off the calibration keep the calibration."""
+    drift = StepDrift()
+    for _ in range(30):
+        drift.observe(0, 1.5, 1.0, batch=16)
+        drift.observe(2, 1.8, 1.0, batch=16)
+    assert drift.factor(0, 20) == drift.factor(0, 16) == pytest.approx(1.5)
+    assert drift.factor(2, 20) == drift.factor(2, 16) == pytest.approx(1.8, rel=0.05)
+    assert drift.factor(2, 64) == drift.factor(0, 64) == 1.0
+    assert drift.factor(2, 5) == drift.factor(2, 16)
+    for _ in range(30):
+        drift.observe(0, 10.0, 1.0, batch=32)  # batch 17-32 ran on other hardware: its own steps say so
+    assert drift.factor(2, 20) == drift.factor(0, 20) == 1.0

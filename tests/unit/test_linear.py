@@ -80,3 +80,26 @@ def test_the_runner_probes_each_projection_on_its_models_weight_bytes(monkeypatc
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     assert len(probed) == 4 * runner.model.config.num_hidden_layers + 1  # every projection and the lm head
     assert {shape[-1] for shape in probed} == {weight_bytes}
+
+
+def test_the_runner_reports_the_band_each_projection_probed(monkeypatch, tiny_models):
+    """``ModelRunner.kernel_bands``: what each projection's probe chose in this process (the engine process
+    logs it at start), by projection."""
+    from specdec_core import linear
+    from specdec_core.runner import ModelRunner
+
+    def band(in_features, out_features, *_):  # one band per shape, so that a projection reported as another fails
+        return range(1, 2 + (7 * in_features + out_features) % 61)
+
+    monkeypatch.setattr(linear, "packed_rows", band)
+    runner = ModelRunner.from_pretrained(tiny_models["target"], device="cpu", max_slots=1, max_len=16)
+    if not linear._prepack_supported(runner.model.lm_head.weight):
+        pytest.skip("no oneDNN in this torch build")
+    _, qkv, o_proj, _, gate_up, down = runner._fused.layers[0]
+    reported = runner.kernel_bands()
+    assert set(reported) == {"qkv", "o_proj", "gate_up", "down", "lm_head"}
+    for name, proj in (("qkv", qkv), ("o_proj", o_proj), ("gate_up", gate_up), ("down", down),
+                       ("lm_head", runner._lm_head)):
+        out_features, in_features = proj.weight.shape
+        assert reported[name] == band(in_features, out_features), name
+    assert len(set(reported.values())) > 1  # the shapes' bands differ: a mix-up would show
