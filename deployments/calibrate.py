@@ -23,6 +23,8 @@ host with the same models loads it; anything else calibrates again.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -92,6 +94,23 @@ def save_calibration(path: str | os.PathLike, rec: dict) -> None:
 
 
 CACHE_DIR = Path(os.environ.get("SPECDEC_CALIBRATION_CACHE", Path.home() / ".cache" / "specdec-serve"))
+
+
+@contextlib.contextmanager
+def measuring_alone():
+    """Held while a replica builds its models (their kernel probes, ``linear.packed_rows``) and calibrates:
+    one replica on this host at a time (an exclusive ``flock`` on a file in ``CACHE_DIR``, released when the
+    holder exits, even killed). Why: a serve start builds four engines at once on 2 cores, each probe timing
+    528 MB of weights beside the others'; one start's plain engine took the packed kernel for qkv at 2 rows
+    only and gate_up at 4 (the co-located engine beside it: 2-16 and 8-16), and its batch-8 steps ran
+    75 ms where the in-process engine's ran 56 (BENCHMARKS.md, "Closed-loop rounds")."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / "measuring.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _weights(path: str | None) -> list:

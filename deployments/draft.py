@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from deployments.calibrate import measuring_alone
 from deployments.config import AppConfig
 from deployments.messages import DRAFT_METHODS, ItemFailed, Placement, ProposeStepItem, SideStats
 from deployments.step_replica import StepReplica, session_generator
@@ -29,11 +30,12 @@ class Draft(StepReplica):
     def __init__(self, config: dict):
         cfg = AppConfig(**config)
         torch.set_num_threads(cfg.torch_threads)
-        runner = ModelRunner.from_pretrained(
-            cfg.draft, device=cfg.device, dtype=cfg.dtype, max_slots=cfg.max_batch_size,
-            max_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code, kv_window=cfg.draft_window,
-            prefix_cache_tokens=cfg.prefix_cache_tokens,
-        )
+        with measuring_alone():  # its kernel probes time this host: one replica at a time
+            runner = ModelRunner.from_pretrained(
+                cfg.draft, device=cfg.device, dtype=cfg.dtype, max_slots=cfg.max_batch_size,
+                max_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code, kv_window=cfg.draft_window,
+                prefix_cache_tokens=cfg.prefix_cache_tokens,
+            )
         self.proposer = DraftModelProposer(runner, name=str(cfg.draft))
         self._generators: dict[str, torch.Generator | None] = {}
         self._max_batch = 0

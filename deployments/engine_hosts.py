@@ -15,7 +15,16 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from deployments.calibrate import DEFAULT_BATCHES, DEFAULT_QS, cache_key, cached, device_kind, load_calibration, store
+from deployments.calibrate import (
+    DEFAULT_BATCHES,
+    DEFAULT_QS,
+    cache_key,
+    cached,
+    device_kind,
+    load_calibration,
+    measuring_alone,
+    store,
+)
 from deployments.config import AppConfig, model_label
 from deployments.messages import Delta, GenerateRequest, ReplicaCosts
 from specdec_core import AsyncEngine, Engine
@@ -28,19 +37,20 @@ logger = logging.getLogger("ray.serve")
 def build_engine(cfg: AppConfig, speculative: bool, pool: str) -> tuple[Engine, ReplicaCosts | None]:
     """The replica's engine, and for a speculative one the step costs its adaptive K prices with."""
     torch.set_num_threads(cfg.torch_threads)
-    engine = Engine.from_pretrained(
-        target=cfg.target,
-        draft=cfg.draft if speculative else None,
-        proposer="draft" if speculative else None,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        max_batch_size=cfg.max_batch_size,
-        max_model_len=cfg.max_model_len,
-        trust_remote_code=cfg.trust_remote_code,
-        draft_kv_window=cfg.draft_window,
-        prefix_cache_tokens=cfg.prefix_cache_tokens,
-    )
-    costs = _calibrate(engine, cfg, pool) if speculative else None
+    with measuring_alone():  # the kernel probes and the calibration time this host: one replica at a time
+        engine = Engine.from_pretrained(
+            target=cfg.target,
+            draft=cfg.draft if speculative else None,
+            proposer="draft" if speculative else None,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            max_batch_size=cfg.max_batch_size,
+            max_model_len=cfg.max_model_len,
+            trust_remote_code=cfg.trust_remote_code,
+            draft_kv_window=cfg.draft_window,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
+        )
+        costs = _calibrate(engine, cfg, pool) if speculative else None
     logger.info("engine (%s) ready: target=%s draft=%s slots=%d max_len=%d", pool, cfg.target,
                 cfg.draft if speculative else None, engine.target.num_slots, engine.max_model_len)
     return engine, costs

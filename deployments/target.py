@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deployments.calibrate import measuring_alone
 from deployments.config import AppConfig
 from deployments.messages import TARGET_METHODS, ItemFailed, Placement, SideStats, VerifyStepItem
 from deployments.step_replica import StepReplica, session_generator
@@ -39,11 +40,12 @@ class Target(StepReplica):
     def __init__(self, config: dict):
         cfg = AppConfig(**config)
         torch.set_num_threads(cfg.torch_threads)
-        runner = ModelRunner.from_pretrained(
-            cfg.target, device=cfg.device, dtype=cfg.dtype, max_slots=cfg.max_batch_size,
-            max_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
-            prefix_cache_tokens=cfg.prefix_cache_tokens,
-        )
+        with measuring_alone():  # its kernel probes time this host: one replica at a time
+            runner = ModelRunner.from_pretrained(
+                cfg.target, device=cfg.device, dtype=cfg.dtype, max_slots=cfg.max_batch_size,
+                max_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
+                prefix_cache_tokens=cfg.prefix_cache_tokens,
+            )
         self.verifier = Verifier(runner)
         self._sessions: dict[str, _Session] = {}
         self._max_batch = 0

@@ -233,3 +233,37 @@ def test_placement_options_reach_serve():
     assert "resources" not in _options(cfg.plain, "PlainPool")["ray_actor_options"]
     for opts in (draft, target):
         ReplicaConfig.create(lambda: None, ray_actor_options=opts["ray_actor_options"])  # Serve's own validation
+
+
+def test_replicas_build_and_calibrate_one_at_a_time_and_a_killed_holder_lets_go(tmp_path, monkeypatch):
+    """``measuring_alone``: while one process holds it (a replica probing kernels or calibrating), another
+    waits; a holder SIGKILLed mid-measurement releases it (the kernel drops its flock)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from deployments import calibrate
+
+    monkeypatch.setattr(calibrate, "CACHE_DIR", tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom deployments import calibrate\n"
+         "with calibrate.measuring_alone():\n    print('held', flush=True)\n    time.sleep(120)\n"],
+        env={**os.environ, "SPECDEC_CALIBRATION_CACHE": str(tmp_path)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def measure():
+            with calibrate.measuring_alone():
+                entered.set()
+
+        waiter = threading.Thread(target=measure, daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0)  # the holder has it
+        holder.send_signal(signal.SIGKILL)
+        assert entered.wait(30.0)
+    finally:
+        holder.kill()
+        holder.wait()
