@@ -305,7 +305,8 @@ def round_size(args) -> int:
 
 
 async def run_interleaved(args, model: str) -> list[dict]:
-    """Rounds of ``concurrency`` requests per mode, in Williams-design orders, auto first in round 1."""
+    """Rounds of ``round_size`` requests per mode, each a closed loop at the concurrency, in Williams-design
+    orders, auto first in round 1."""
     traffic = Traffic(args)
     modes = sorted(args.modes, key=lambda m: m != "auto")
     results: dict[str, list[dict]] = {m: [] for m in modes}
