@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         logger.exception("engine (%s) failed to start", start.pool)
         pipe.send(STARTED.encode([StartFailed(f"{type(exc).__name__}: {exc}")]))
         return
-    # Served steps at batch 8 ran 1.0-1.5x the in-process engine's from one start to the next (BENCHMARKS.md,
-    # "Closed-loop rounds"): the kernels a start-up probed, beside three other engines probing, are one suspect.
+    # Served steps at batch 8 ran 1.0-1.5x the in-process engine's from one start to the next, with the kernels
+    # each start's probes chose (BENCHMARKS.md, "Closed-loop rounds"): the log says what this start chose.
     logger.info("engine (%s): the target's packed-kernel rows %s", start.pool, engine.target.kernel_bands())
     pipe.send(STARTED.encode([Started(costs.costs.to_dict() if costs else None,
                                       costs.sampled.to_dict() if costs and costs.sampled else None,
