@@ -1,10 +1,13 @@
-"""Fading means: a moving average per key that fades toward 0 with a half-life since it was last
-updated, so that what the router learnt of a burst or a load does not outlive it. Pure: the clock
-comes in as an argument, as in the other policies of this package."""
+"""Fading means (and shares of outcomes): a moving average per key that fades toward 0 with a
+half-life since it was last updated, so that what the router learnt of a burst or a load does not outlive it.
+Pure: the clock comes in as an argument, as in the other policies of this package."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterator
+
+SHARE_FLOOR = 1e-3  # shares below this are dropped: outcomes long faded, not worth pricing
 
 
 class FadingMeans:
@@ -31,3 +34,38 @@ class FadingMeans:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._values
+
+
+class FadingShares:
+    """A fading distribution per key over integer outcomes: each outcome's share is a fading mean of
+    whether it was observed (``FadingMeans`` of an indicator), so a key's shares fade toward the outcome
+    0 once nothing is learnt, as ``FadingMeans`` fades toward 0, and its mean is the ``FadingMeans``
+    mean of the same observations. A fractional observation splits between the two integers around it
+    in proportion, which keeps that mean exact."""
+
+    def __init__(self, weight: float, half_life_s: float, clock: Callable[[], float]):
+        self._means = FadingMeans(weight, half_life_s, clock)
+        self._outcomes: dict[Hashable, set[int]] = {}
+
+    def update(self, key: Hashable, observed: float) -> None:
+        low = math.floor(observed)
+        hit = {low: 1.0 - (observed - low), low + 1: observed - low}
+        outcomes = self._outcomes.setdefault(key, set())
+        outcomes |= {o for o, share in hit.items() if share}
+        for o in outcomes:
+            self._means.update((key, o), hit.get(o, 0.0))
+
+    def shares(self, key: Hashable) -> dict[int, float]:
+        """Outcome -> share, summing to 1 (the faded share is the outcome 0's)."""
+        shares = {o: self._means.get((key, o)) for o in self._outcomes.get(key, ())}
+        shares[0] = shares.get(0, 0.0) + 1.0 - sum(shares.values())
+        return {o: s for o, s in shares.items() if s > SHARE_FLOOR}
+
+    def mean(self, key: Hashable) -> float:
+        return sum(o * s for o, s in self.shares(key).items())
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._outcomes)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._outcomes

@@ -18,8 +18,8 @@ Rules, in order:
    model's best K at the batch the request would join (the pool's active +
    queued + 1 sequences spread over its replicas, and where pools share their
    cores the other pools' rows: ``PoolLoad.beside``) plus the rows the pool's
-   finished requests saw join them while they decoded (``PoolLoad.joining``,
-   learnt by the router); speculate in the fastest
+   finished requests saw join them while they decoded (``PoolLoad.joining_shares``,
+   learnt by the router: priced over those outcomes, not at their mean); speculate in the fastest
    pool with room if its predicted speedup > 1 + margin and the request is not
    prefill heavy, else plain. On shared cores the request stays with the load:
    it joins the pool that holds most rows unless another is predicted
@@ -110,6 +110,7 @@ class PoolLoad:
     capacity: int = 64  # sequences one replica decodes at once
     joining: float = 0.0  # rows that, as the pool's finished requests measured, join a request while it decodes
     #                       (negative: rows leave)
+    joining_shares: tuple[tuple[int, float], ...] = ()  # what ``joining`` averages: (rows, share) of those requests
     beside: int = 0  # rows decoding in the other pools on the same cores (pools that share compute; else 0)
     probing: int = 0  # of active: exploration probes (they run where routing did not put them)
     # Share of their decode steps that the pool's adaptive K recently ran plain for auto requests of this
@@ -131,6 +132,17 @@ class PoolLoad:
         processes: a request that speculates at batch 3 beside five plain rows takes its time from
         theirs, and only the whole load's batch says whether speculation pays."""
         return max(1, round(self.whole_batch() + self.joining))
+
+    def decode_batches(self) -> tuple[tuple[int, float], ...]:
+        """The batches the request may decode in, with their shares (``joining_shares``; without them,
+        ``decode_batch`` alone)."""
+        if not self.joining_shares:
+            return ((self.decode_batch(), 1.0),)
+        batches: dict[int, float] = {}
+        for rows, share in self.joining_shares:
+            b = max(1, self.whole_batch() + rows)
+            batches[b] = batches.get(b, 0.0) + share
+        return tuple(sorted(batches.items()))
 
     def whole_batch(self) -> int:
         """Per-replica batch once this request joins, counting the rows of the pools that share its cores."""
@@ -270,14 +282,31 @@ def _best(ctx: RoutingContext, topology: str, batch: int, a: float, model: CostM
     return price(model or ctx.cost_models[topology], topology, batch, a, ctx.k_max, topology in ctx.budgeted)
 
 
+def _expected(ctx: RoutingContext, topology: str, load: PoolLoad) -> KChoice:
+    """The best speculation ``topology`` offers over the batches the request may decode in
+    (``PoolLoad.decode_batches``): its expected time per token against plain's at the same batches, with
+    the K of the likeliest batch where speculation pays there. Priced at their mean batch, a request that
+    opens a burst (rows join it) and one that ends a drain (none do) both look like batch 2, where a lone
+    request's best pool is not the burst's."""
+    outcomes = load.decode_batches()
+    if len(outcomes) == 1:
+        return _best(ctx, topology, outcomes[0][0], ctx.acceptance)
+    model = ctx.cost_models[topology]
+    priced = [(share, model.plain_time_per_token(b), _best(ctx, topology, b, ctx.acceptance)) for b, share in outcomes]
+    plain = sum(share * plain_s for share, plain_s, _ in priced)
+    spec = sum(share * plain_s / choice.predicted_speedup for share, plain_s, choice in priced)
+    paying = [(share, choice.k) for share, _, choice in priced if choice.k]
+    k = max(paying)[1] if paying and spec < plain else 0
+    return KChoice(k, spec, plain / spec)
+
+
 def spec_options(ctx: RoutingContext) -> list[_Option]:
-    """Best K per available spec topology, at the batch the request can expect to decode in there."""
+    """Best K per available spec topology, over the batches the request can expect to decode in there."""
     options = []
     for t in SPEC_TOPOLOGIES:
         load = ctx.loads.get(t)
         if t in ctx.cost_models and load is not None and load.replicas > 0:
-            b = load.decode_batch()
-            options.append(_Option(t, b, _best(ctx, t, b, ctx.acceptance),
+            options.append(_Option(t, load.decode_batch(), _expected(ctx, t, load),
                                    load.declined >= ctx.thresholds.declined_share))
     return options
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from autoscaling.exploration import Exploration
-from autoscaling.fading import FadingMeans
+from autoscaling.fading import FadingMeans, FadingShares
 from autoscaling.probes import scheduled_probe
 from autoscaling.routing import (
     PLAIN_POOL,
@@ -140,7 +140,7 @@ class RouteState:
         # the pools' engines share their cores (AppConfig.pools_share_compute_on): priced at the whole load
         self.shared_compute = shared_compute
         self._separate_adaptive: AdaptiveK | None = None
-        self._joining = FadingMeans(JOINING_WEIGHT, JOINING_HALF_LIFE_S, clock)  # (pool, joined bucket) -> rows
+        self._joining = FadingShares(JOINING_WEIGHT, JOINING_HALF_LIFE_S, clock)  # (pool, joined bucket) -> rows
         self._declined = FadingMeans(DECLINED_WEIGHT, DECLINED_HALF_LIFE_S, clock)  # (pool, bucket, class) -> share
         self.set_costs(PRIOR_COSTS)
 
@@ -266,14 +266,24 @@ class RouteState:
         total = sum(rows.values())
         shared = {p: dataclasses.replace(load, beside=total - rows[p] if self.shared_compute else 0)
                   for p, load in loads.items()}
-        return {p: dataclasses.replace(load, joining=self.joining(p, load.whole_batch())) for p, load in shared.items()}
+        return {p: dataclasses.replace(load, joining=self.joining(p, load.whole_batch()),
+                                       joining_shares=self.joining_shares(p, load.whole_batch()))
+                for p, load in shared.items()}
 
     def joining(self, pool: str, joined: int) -> float:
         """Rows that joined ``pool``'s recent requests that joined at a batch like ``joined`` while they
         decoded (negative: rows left), faded since it was learnt. On shared cores the rows are the whole
         load's, and so is the lesson: one for every pool, so that no pool looks emptier than another
         for where its requests happened to join."""
-        return self._joining.get(self._joining_key(pool, joined))
+        return self._joining.mean(self._joining_key(pool, joined))
+
+    def joining_shares(self, pool: str, joined: int) -> tuple[tuple[int, float], ...]:
+        """What ``joining`` averages: (rows that joined, share of the recent requests that saw as many).
+        A request that opens a burst sees the burst's rows join it, one that ends a drain sees none, and
+        the two join at the same batch; priced at their mean, the first request of a c=4 burst went where
+        a lone request is fastest (the separate pool, at batch 2) and the burst split over two pools on the
+        same cores (auto 0.92x co-located)."""
+        return tuple(sorted(self._joining.shares(self._joining_key(pool, joined)).items()))
 
     def _joining_key(self, pool: str, joined: int) -> tuple[str, int]:
         return ("whole" if self.shared_compute else pool), self.drift.bucket(joined)

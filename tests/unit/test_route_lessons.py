@@ -189,6 +189,32 @@ def test_a_request_is_priced_at_the_batch_it_will_decode_in():
     assert st.joining("colocated", 1) < 0.5 and route(idle, state=st).pool == "colocated"
 
 
+def test_the_router_keeps_how_many_rows_joined_each_request_not_only_their_mean():
+    """Requests that joined an idle load at batch 1: some opened a burst (7 rows joined them), some
+    ended a drain (none did), one saw 2.5 on average. The router keeps the outcomes with their shares
+    (a fractional one split between its two integers), their mean is ``joining``, the routing context's
+    loads carry them, and once nothing is learnt the shares fade toward "none joined"."""
+    now = [0.0]
+    st = route_state(costs=synthetic_costs(), clock=lambda: now[0], shared_compute=True)
+    alone = served_stats(k=4, decode_steps=12)
+    alone.decode_steps, alone.decode_batch_rows = 12, 12
+    cls = TrafficClass.of("d", 0.0)
+    for whole in (8.0, 1.0, 8.0, 1.0, 3.5):  # burst, drain, burst, drain, a ramp
+        st.learn("colocated", 1, cls, alone, 0.0, migrated=False, whole_load=(1, whole))
+    shares = dict(st.joining_shares("colocated", 1))
+    assert set(shares) == {0, 2, 3, 7}, shares
+    assert shares[2] == pytest.approx(0.5 * 0.2) and shares[3] == pytest.approx(0.5 * 0.2)
+    assert shares[7] > shares[3] and sum(shares.values()) == pytest.approx(1.0)
+    assert st.joining("colocated", 1) == pytest.approx(sum(r * s for r, s in shares.items()))
+    loads = st.priced_loads({"plain": PoolLoad(), "colocated": PoolLoad()})
+    assert dict(loads["plain"].joining_shares) == pytest.approx(shares)  # the whole load's: every pool
+    assert dict(loads["colocated"].decode_batches()) == pytest.approx({1 + r: s for r, s in shares.items()})
+    now[0] += 30.0  # one half-life
+    faded = dict(st.joining_shares("colocated", 1))
+    assert faded[7] == pytest.approx(shares[7] / 2) and faded[0] == pytest.approx(1 - sum(shares.values()) / 2
+                                                                                + shares[0] / 2)
+
+
 def test_on_shared_cores_the_rows_that_join_a_request_are_the_whole_loads():
     """A burst on shared cores: a request joined an idle system and ran beside seven rows of any pool
     (``whole_load``: per-replica rows when it joined, and their mean while it ran). The router learns

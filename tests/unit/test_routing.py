@@ -241,3 +241,37 @@ def test_on_shared_cores_a_request_stays_with_the_load_unless_leaving_clearly_pa
     probed = _shared(marginal, {"colocated": 5})  # the co-located rows are probes of plain requests:
     probed = replace(probed, loads={**probed.loads, "colocated": replace(probed.loads["colocated"], probing=5)})
     assert route(probed).pool == "plain"  # the load's pool is plain, as routing made them
+
+
+def _burst_ctx(joining_shares: tuple[tuple[int, float], ...], joining: float | None = None) -> RoutingContext:
+    """An idle load on shared cores, where the separate pool is the faster one for a lone request (7% at
+    batch 1, as measured at c=1 on the memory-bound family: its overlap has a core to itself) and the
+    slower one once rows join it (18% at batch 4: none is free)."""
+    separate = CostModel(StepCosts(
+        batches=(1, 2, 4, 64), qs=(1, 9),
+        target_s=((1.0, 1.1), (1 + 1 / 63, 1.2), (1 + 3 / 63, 3.0), (2.0, 40.0)),  # plain: model()'s
+        draft_s=(0.1, 0.1, 0.1, 0.2), hop_overhead_s={"colocated": 0.0, "separate": 0.0}))
+    mean = sum(rows * share for rows, share in joining_shares) if joining is None else joining
+    load = PoolLoad(joining=mean, joining_shares=joining_shares)
+    return RoutingContext(features=RequestFeatures(temperature=0.0, max_tokens=256, prompt_tokens=64),
+                          loads={"plain": load, "colocated": load, "separate": load},
+                          cost_models={"colocated": model(), "separate": separate}, acceptance=0.8,
+                          evidence=1000.0, context_limit=2048, shared_compute=True)
+
+
+def test_a_request_that_may_open_a_burst_is_priced_over_the_batches_it_may_decode_in():
+    """Half the requests that joined an idle load saw three rows join them (a burst opened), half none
+    (a drain ended). Their mean, 1.5 rows, prices batch 2, where the separate pool is fastest; over the
+    two outcomes (batch 1 or 4, by time per token) the co-located pool is. The predicted speedup is the
+    expected plain time over the expected speculative time."""
+    assert route(_burst_ctx(((0, 1.0),))).pool == "separate"  # every such request ran alone
+    assert route(_burst_ctx((), joining=1.5)).pool == "separate"  # the mean alone: batch 2
+    burst = _burst_ctx(((0, 0.5), (3, 0.5)))
+    d = route(burst)
+    assert d.pool == "colocated", d
+    co = model()
+    alone, joined = co.best_k(1, 0.8, 8), co.best_k(4, 0.8, 8)
+    plain = 0.5 * co.plain_time_per_token(1) + 0.5 * co.plain_time_per_token(4)
+    spec = 0.5 * alone.time_per_token_s + 0.5 * joined.time_per_token_s
+    assert d.predicted_speedup == pytest.approx(plain / spec)
+    assert d.k in (alone.k, joined.k)

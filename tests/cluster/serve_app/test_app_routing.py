@@ -144,10 +144,15 @@ def test_regimes_endpoint(client):
     assert m["costs"]["calibrated"] and m["costs"]["hop_overhead_s"]["separate"] == pytest.approx(0.002)
     assert isinstance(m["costs"]["drift"], dict)
     assert set(m["pools"]) == {"plain", "colocated", "separate"}
-    assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity", "joining", "beside", "probing"}
+    assert set(m["pools"]["plain"]) == {"active", "queued", "replicas", "capacity", "joining",
+                                        "joining_shares", "beside", "probing"}
     assert isinstance(m["declined"], list)  # what the pools' adaptive K ran plain, by pool, batch and class
     assert m["shared_compute"] == server_shares_cores()
     assert all(isinstance(p["joining"], float) for p in m["pools"].values())  # rows seen joining while decoding
+    # (rows, share) of the requests that saw as many join them: shares of 1, their mean is ``joining``
+    for p in m["pools"].values():
+        assert sum(share for _, share in p["joining_shares"]) == pytest.approx(1.0)
+        assert sum(rows * share for rows, share in p["joining_shares"]) == pytest.approx(p["joining"])
     classes = {(c["temperature_bucket"], c["domain"]): c for c in m["classes"]}
     assert ("greedy", "default") in classes and ("greedy", "regime-map") in classes
     c = classes[("greedy", "regime-map")]
