@@ -17,7 +17,9 @@ Without a file, a replica that calibrates at start-up keeps the result in a per-
 everything the costs depend on: both models' weight files (path, size, mtime), device, dtype,
 torch threads and version, the grid, the host (name, CPU model, cores) and the engine code a step
 runs (``STEP_CODE``: a faster attention makes old costs wrong). A restart on the same
-host with the same models loads it; anything else calibrates again.
+host with the same models loads it; anything else calibrates again. The same folder keeps the
+host's kernel bands (``measuring_alone``): which matmul kernel each projection shape runs at which row
+count, probed by the host's first replica and run by every engine after it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import platform
 import time
 from pathlib import Path
 
+from specdec_core import linear
 from specdec_core.step_costs import StepCosts
 
 logger = logging.getLogger("ray.serve")
@@ -103,14 +106,49 @@ def measuring_alone():
     holder exits, even killed). Why: a serve start builds four engines at once on 2 cores, each probe timing
     528 MB of weights beside the others'; one start's plain engine took the packed kernel for qkv at 2 rows
     only and gate_up at 4 (the co-located engine beside it: 2-16 and 8-16), and its batch-8 steps ran
-    75 ms where the in-process engine's ran 56 (BENCHMARKS.md, "Closed-loop rounds")."""
+    75 ms where the in-process engine's ran 56 (BENCHMARKS.md, "Closed-loop rounds").
+
+    Inside, the models adopt the kernel bands the host's earlier replicas probed (``host_bands``), and the
+    bands probed here are kept for the next: probed one at a time, engines still chose differently (the
+    plain engine packed ``down`` at 2 rows, the co-located one at 4-16), since a near tie flips with the
+    moment; kept, every engine on the host runs the kernels its cached calibration measured."""
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with open(CACHE_DIR / "measuring.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            known = host_bands()
+            linear.adopt_bands(known)
             yield
+            if linear.probed_bands().keys() - known.keys():
+                _store_bands({**known, **linear.probed_bands()})
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _bands_path() -> Path:
+    """The host's kernel bands: per host, torch and kernel code (``linear.py``)."""
+    import torch
+
+    code = Path(linear.__file__).read_bytes()
+    parts = [_host(), torch.__version__, hashlib.sha256(code).hexdigest()[:16]]
+    return CACHE_DIR / f"kernel-bands-{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]}.json"
+
+
+def host_bands() -> dict[str, list[int] | None]:
+    """The kernel bands the replicas on this host probed (``linear.probed_bands``), by shape; {} if none."""
+    try:
+        return json.loads(_bands_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_bands(bands: dict[str, list[int] | None]) -> None:
+    try:
+        tmp = CACHE_DIR / f".kernel-bands.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(bands, indent=1, sort_keys=True))
+        tmp.replace(_bands_path())
+    except OSError:
+        logger.warning("could not keep the kernel bands in %s", CACHE_DIR, exc_info=True)
 
 
 def _weights(path: str | None) -> list:

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from deployments.calibrate import measuring_alone
 from specdec_bench.common import MODELS_DIR, load_prompts, machine_facts
 from specdec_bench.load import MODES, distinct, one_request
 from specdec_core import Engine, SamplingParams
@@ -80,8 +81,9 @@ def median_run(runs: list[dict]) -> dict:
 def run_overhead(args) -> dict:
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.requests)
-    engine = Engine.from_pretrained(str(args.target or MODELS_DIR / "target"), str(args.draft or MODELS_DIR / "draft"),
-                                    max_batch_size=max(args.concurrency))
+    with measuring_alone():  # the served engines' kernel bands: the two sides run the same kernels
+        engine = Engine.from_pretrained(str(args.target or MODELS_DIR / "target"),
+                                        str(args.draft or MODELS_DIR / "draft"), max_batch_size=max(args.concurrency))
     model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
     cells = []
     for mode in args.modes:

@@ -8,13 +8,14 @@ separate matrix-vector products, so a 5-token verify paid ~4x a 1-token step in 
 - ``x @ W^T`` with ``W^T`` stored contiguous [in, out];
 - oneDNN with the weight prepacked once (what inductor's CPU freezing does).
 
-Which one wins depends on the host, so it is measured, once per weight shape, when a projection is
-built. On an AMD EPYC host the packed kernel was ~2x faster than ``F.linear`` at M = 4..16 and tied
-``x @ W^T`` at M = 3; on an Intel Xeon (AMX) host with torch 2.13 it lost to ``x @ W^T`` at every M
-from 1 to 256 (1.1-4x), and made a whole plain engine 8-30% slower (BENCHMARKS.md, "Replica
-faults"). The packed kernel builds a oneDNN primitive per distinct M and keeps its memory for good:
-a replica's RSS stepped up with every new prefill or batch shape. So it only runs in the band of
-row counts where it measured faster, capped at ``PACKED_MAX_ROWS``, a bounded set of shapes.
+Which one wins depends on the host, so it is measured, once per weight shape, when a projection is built
+(or adopted from an earlier process on the host: ``adopt_bands``). On an AMD EPYC host the packed kernel
+was ~2x faster than ``F.linear`` at M = 4..16 and tied ``x @ W^T`` at M = 3; on an Intel Xeon (AMX) host
+with torch 2.13 it lost to ``x @ W^T`` at every M from 1 to 256 (1.1-4x), and made a whole plain engine
+8-30% slower (BENCHMARKS.md, "Replica faults"). The packed kernel builds a oneDNN primitive per distinct
+M and keeps its memory for good: a replica's RSS stepped up with every new prefill or batch shape. So it
+only runs in the band of row counts where it measured faster, capped at ``PACKED_MAX_ROWS``, a bounded
+set of shapes.
 
 Both layouts hold the same fp32 values, and either kernel sums in a different order than
 ``F.linear`` only at the last bit. On CUDA (and for non-fp32 weights) it is ``x @ W^T`` only.
@@ -22,9 +23,8 @@ Both layouts hold the same fp32 values, and either kernel sums in a different or
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ PACKED_MAX_ROWS = 64  # bounds the distinct oneDNN primitives (memory kept per r
 # one (11.3 against 6.8 ms) while 3-5 tokens cost ~1.0x; probed, the packed kernel takes it (6.8 ms),
 # which is a K=1 verify and a batch-2 plain step.
 PROBE_ROWS = (2, 3, 4, 8, 16, 32, 64)
+PROBE_REPEATS = 5  # each kernel's best of this many timings, interleaved with the other kernel's
 WIN_MARGIN = 0.85  # packed must take <= 85% of x @ W^T's time: a near tie keeps the plain product,
 # so two replicas on one host do not pick different kernels from timing noise
 
@@ -66,15 +67,19 @@ def winning_band(probe_rows: Sequence[int], plain_us: Sequence[float], packed_us
     return best
 
 
-def _best_us(fn: Callable[[], torch.Tensor], calls: int = 10, repeats: int = 3) -> float:
-    fn()  # the first call builds the kernel
-    times = []
+def _best_us(fns: Sequence[Callable[[], object]], calls: int, repeats: int = PROBE_REPEATS) -> list[float]:
+    """Each kernel's best time per call, their repeats interleaved, so that a moment the host is slower
+    (another process, the memory bus) falls on both kernels rather than on one."""
+    for fn in fns:
+        fn()  # the first call builds the kernel
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls)
-    return min(times) * 1e6
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
+    return best
 
 
 def _cold_copies(weight_bytes: int, model_bytes: int) -> int:
@@ -89,11 +94,40 @@ def _cold_copies(weight_bytes: int, model_bytes: int) -> int:
     return max(1, min(MAX_COLD_COPIES, -(-span // weight_bytes)))
 
 
-@functools.cache
+# The bands probed (or adopted) in this process, by weight shape, threads and model size. A host's serving
+# replicas adopt one set (deployments/calibrate.py keeps it per host): probed again at each start, engines
+# on one host chose different bands (a near tie flips with the moment), and ran other kernels than the
+# calibration they price with had measured.
+_BANDS: dict[str, range | None] = {}
+
+
+def _band_key(in_features: int, out_features: int, threads: int, model_bytes: int) -> str:
+    return f"{in_features}x{out_features}/{threads}t/{model_bytes}B"
+
+
 def packed_rows(in_features: int, out_features: int, threads: int, model_bytes: int) -> range | None:
-    """Measured on this host: the row counts where the packed kernel beats ``x @ W^T`` for this shape,
-    each call on a weight read from where a forward of a model of ``model_bytes`` reads it
-    (``_cold_copies``)."""
+    """The row counts where the packed kernel beats ``x @ W^T`` for this shape on this host: adopted
+    (``adopt_bands``), or measured once per process (``_probe``)."""
+    key = _band_key(in_features, out_features, threads, model_bytes)
+    if key not in _BANDS:
+        _BANDS[key] = _probe(in_features, out_features, model_bytes)
+    return _BANDS[key]
+
+
+def probed_bands() -> dict[str, list[int] | None]:
+    """The bands this process has used, as [first, last] row counts (None: never packed), by shape key."""
+    return {key: [band.start, band.stop - 1] if band else None for key, band in _BANDS.items()}
+
+
+def adopt_bands(bands: Mapping[str, Sequence[int] | None]) -> None:
+    """Use these bands (``probed_bands`` of an earlier process on this host) for the shapes not yet used here."""
+    for key, band in bands.items():
+        _BANDS.setdefault(key, range(band[0], band[1] + 1) if band else None)
+
+
+def _probe(in_features: int, out_features: int, model_bytes: int) -> range | None:
+    """Measured on this host: each call on a weight read from where a forward of a model of
+    ``model_bytes`` reads it (``_cold_copies``)."""
     gen = torch.Generator().manual_seed(0)
     copies = _cold_copies(4 * in_features * out_features, model_bytes)
     weights = [torch.randn(out_features, in_features, generator=gen) for _ in range(copies)]
@@ -102,8 +136,10 @@ def packed_rows(in_features: int, out_features: int, threads: int, model_bytes: 
     plain_us, packed_us = [], []
     for rows in PROBE_ROWS:
         x = torch.randn(rows, in_features, generator=gen)
-        plain_us.append(_best_us(lambda x=x: [x @ w for w in plain_ws], calls=max(1, 10 // copies)) / copies)
-        packed_us.append(_best_us(lambda x=x: [_packed(x, w) for w in packed_ws], calls=max(1, 10 // copies)) / copies)
+        plain, packed = _best_us([lambda x=x: [x @ w for w in plain_ws],
+                                  lambda x=x: [_packed(x, w) for w in packed_ws]], calls=max(1, 10 // copies))
+        plain_us.append(plain / copies)
+        packed_us.append(packed / copies)
     return winning_band(PROBE_ROWS, plain_us, packed_us)
 
 

@@ -267,3 +267,32 @@ def test_replicas_build_and_calibrate_one_at_a_time_and_a_killed_holder_lets_go(
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_engines_on_a_host_run_the_kernel_bands_its_first_replica_probed(tmp_path, monkeypatch, tiny_models):
+    """A replica that builds its models in ``measuring_alone`` keeps the kernel bands it probed for the
+    host; a later process (another replica, the next start) adopts them instead of probing again, so the
+    engines on a host run the same kernels, the ones its cached calibration measured."""
+    import json
+
+    from deployments import calibrate
+    from specdec_core import linear
+    from specdec_core.runner import ModelRunner
+
+    monkeypatch.setattr(calibrate, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(linear, "_BANDS", {})  # a fresh process
+    with calibrate.measuring_alone():
+        first = ModelRunner.from_pretrained(tiny_models["target"], device="cpu", max_slots=1, max_len=16)
+    if not linear._prepack_supported(first.model.lm_head.weight):
+        pytest.skip("no oneDNN in this torch build")
+    kept = calibrate.host_bands()
+    assert kept == linear.probed_bands() and len(kept) >= 3  # qkv, o_proj, gate_up, down, lm_head shapes
+    # Another start on the host, whose file says the packed kernel wins at 2-5 rows for every shape
+    calibrate._bands_path().write_text(json.dumps(dict.fromkeys(kept, [2, 5])))
+    monkeypatch.setattr(linear, "_BANDS", {})
+    probes = []
+    monkeypatch.setattr(linear, "_probe", lambda *shape: probes.append(shape))
+    with calibrate.measuring_alone():
+        later = ModelRunner.from_pretrained(tiny_models["target"], device="cpu", max_slots=1, max_len=16)
+    assert probes == []  # adopted, not probed
+    assert set(later.kernel_bands().values()) == {range(2, 6)}
