@@ -56,10 +56,10 @@ class FadingShares:
             self._means.update((key, o), hit.get(o, 0.0))
 
     def shares(self, key: Hashable) -> dict[int, float]:
-        """Outcome -> share, summing to 1 (the faded share is the outcome 0's)."""
-        shares = {o: self._means.get((key, o)) for o in self._outcomes.get(key, ())}
-        shares[0] = shares.get(0, 0.0) + 1.0 - sum(shares.values())
-        return {o: s for o, s in shares.items() if s > SHARE_FLOOR}
+        """Outcome -> share, summing to 1 (the faded share is the outcome 0's, as are shares under ``SHARE_FLOOR``)."""
+        shares = {o: share for o in self._outcomes.get(key, ()) if (share := self._means.get((key, o))) > SHARE_FLOOR}
+        shares[0] = shares.get(0, 0.0) + 1.0 - sum(shares.values())  # faded, and dropped as faded
+        return shares
 
     def mean(self, key: Hashable) -> float:
         return sum(o * s for o, s in self.shares(key).items())
