@@ -112,7 +112,7 @@ class Pools:
         self._count(run.pool, +1, run.plan.probe)
         self._metrics.routed(run.pool, d.k, d.regime, run.plan.requested_mode, d.predicted_speedup)
         t0, last = time.perf_counter(), None
-        t_first, n_first, n_out, per_token = None, 0, 0, 0.0
+        t_first, n_first, n_out, per_token, step_per_token = None, 0, 0, 0.0, 0.0
         taught, window_since = Progress(), rows_since  # of its decode steps, those its declined lessons counted
         try:
             gen = self._migrating(run)
@@ -124,9 +124,10 @@ class Pools:
                         t_first, n_first = time.perf_counter(), n_out
                     if delta.finished:
                         per_token = _decode_time_per_token(t_first, n_first, n_out, delta)
-                        if per_token:
+                        step_per_token = _decode_time_per_token(t_first, n_first, n_out, delta, prefill_waits=False)
+                        if step_per_token:
                             batch = (delta.stats.mean_decode_batch if delta.stats else 0.0) or run.plan.batch
-                            run.realised_speedup = self._route_state.realised_speedup(batch, per_token)
+                            run.realised_speedup = self._route_state.realised_speedup(batch, step_per_token)
                     elif delta.progress is not None and delta.progress.steps - taught.steps >= DECLINE_WINDOW_STEPS:
                         if self._learn_declined(run, delta.progress.since(taught), window_since):
                             taught, window_since = delta.progress, self._row_clock()
@@ -139,7 +140,7 @@ class Pools:
             try:
                 if last is not None and last.stats is not None:
                     self._learn_declined(run, Progress.of(last.stats).since(taught), window_since)
-                self._report(run, last, per_token, time.perf_counter() - t0,
+                self._report(run, last, (per_token, step_per_token), time.perf_counter() - t0,
                              _time_to_first_token(t0, t_first, n_first, n_out, last), (joined_rows, decoded_rows))
             except Exception:
                 logger.exception("learning from a finished request failed")
@@ -174,14 +175,16 @@ class Pools:
         self.probing[pool] += n if probe else 0
         self._metrics.set_running(pool, self.active[pool])
 
-    def _report(self, run: Execution, last: Delta | None, per_token: float, latency_s: float,
+    def _report(self, run: Execution, last: Delta | None, per_token: tuple[float, float], latency_s: float,
                 ttft_s: float | None, whole_load: tuple[int, float]) -> None:
-        """A request ended: the route state learns from its stats and from the rows of all pools when it
-        was routed and on average while it ran (``whole_load``), the metrics record it."""
+        """A request ended: the route state learns from its stats, its decode time per token less the
+        other requests' prefills it waited for (``per_token``: (with, without)), and from the rows of all
+        pools when it was routed and on average while it ran (``whole_load``); the metrics record it."""
         d = run.plan.decision
         stats = last.stats if last is not None and last.finished else None
+        per_token, step_per_token = per_token
         if stats is not None:
-            self._route_state.learn(run.pool, run.plan.batch, run.plan.traffic_class, stats, per_token,
+            self._route_state.learn(run.pool, run.plan.batch, run.plan.traffic_class, stats, step_per_token,
                                     migrated=run.migrations > 0, whole_load=whole_load)
         if stats is not None and stats.proposed:
             tr = self._route_state.tracker
@@ -264,12 +267,21 @@ def _time_to_first_token(t0: float, t_first: float | None, n_first: int, n_out: 
     return None
 
 
-def _decode_time_per_token(t_first: float | None, n_first: int, n_out: int, last: Delta) -> float:
+def _decode_time_per_token(t_first: float | None, n_first: int, n_out: int, last: Delta,
+                           prefill_waits: bool = True) -> float:
     """Seconds per output token after the first, by the router's clock where the tokens came in
-    several messages, else (one message: a non-streamed request) by the replica's."""
+    several messages, else (one message: a non-streamed request) by the replica's. Without
+    ``prefill_waits``: less the other requests' prefills its engine ran while it decoded
+    (``RequestStats.prefill_wait_s``), what routing learns step costs from. A prefill is a request's
+    cost whichever pool serves it, but it lands in the decode of the rows beside it only where they
+    finish at different steps: in a closed loop at c=8, plain rows finish together and their successors'
+    prefills fell in their TTFT (3% of their decode time went outside their steps), co-located rows
+    finish apart and the prefills fell in their decode (24%), which priced co-located steps 1.43x their
+    calibration against plain's 1.00 (BENCHMARKS.md, "Prefills in the decode of the rows beside them")."""
+    waits = 0.0 if prefill_waits or last.stats is None else last.stats.prefill_wait_s
     if t_first is not None and n_out > n_first:
-        return (time.perf_counter() - t_first) / (n_out - n_first)
+        return max(0.0, time.perf_counter() - t_first - waits) / (n_out - n_first)
     s = last.stats
     if s is not None and s.output_tokens > 1:
-        return (s.latency_s - s.first_token_s) / (s.output_tokens - 1)
+        return max(0.0, s.latency_s - s.first_token_s - waits) / (s.output_tokens - 1)
     return 0.0

@@ -47,6 +47,10 @@ def speculation(run: Execution, stats: RequestStats, costs_source: str) -> dict:
         "realised_speedup": run.realised_speedup,
         "batch": plan.batch,  # the batch it joined
         "mean_batch": stats.mean_decode_batch,  # the batch its decode steps ran in, on average
+        # the engine's wall time of the decode steps it took part in: its decode time less the other
+        # requests' prefills it waited for and the serving layer's share
+        "decode_s": stats.decode_s,
+        "decode_steps": stats.decode_steps,
         "route_reason": d.reason,
         "costs_source": costs_source,
         "migrations": run.migrations,

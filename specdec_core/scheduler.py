@@ -305,6 +305,7 @@ class Scheduler:
         sampled = sum(1 for r in plan.decode if r.params.temperature > 0)
         for req in plan.decode:
             req.stats.decode_s += timing.total_s - timing.prefill_s
+            req.stats.prefill_wait_s += timing.prefill_s
             req.stats.decode_steps += 1
             req.stats.decode_batch_rows += len(plan.decode)
             req.stats.decode_sampled_rows += sampled

@@ -29,6 +29,7 @@ class RequestStats:
     plain_by_cause: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0  # target prefill, including queueing in its step
     decode_s: float = 0.0  # sum of the wall times of the steps this request took part in
+    prefill_wait_s: float = 0.0  # of those steps, the other requests' prefills it waited for (not in decode_s)
     decode_steps: int = 0  # decode steps it took part in (its prefill's is not one)
     decode_batch_rows: int = 0  # the decode batch of each of those steps, summed
     decode_sampled_rows: int = 0  # of those rows, the ones that sample (temperature > 0), summed
@@ -95,6 +96,7 @@ class RequestStats:
             "plain_by_cause": dict(self.plain_by_cause),
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
+            "prefill_wait_s": self.prefill_wait_s,
             "first_token_s": self.first_token_s,
             "latency_s": self.latency_s,
         }

@@ -13,6 +13,7 @@ from specdec_core.acceptance import AcceptanceTracker
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
 from specdec_core.scheduler import Scheduler
+from specdec_core.stats import StepTiming
 from specdec_core.step_costs import StepCosts
 
 
@@ -132,3 +133,26 @@ def test_aborts_leave_at_the_next_boundary_waiting_or_running():
     assert {r.request_id for r in plan.aborted} == {"run", "wait"} and not plan.rows
     assert sorted((o.request_id, o.finish_reason) for o in outs) == [("run", "abort"), ("wait", "abort")]
     assert not sched.has_work()
+
+
+def test_a_row_keeps_the_prefills_it_waited_for_apart_from_its_decode_steps():
+    """A step that prefills a new request before the running rows' decode: the running rows took part
+    in its decode (``decode_s``) and waited for the prefill (``prefill_wait_s``); the new request waited
+    for nothing. What routing learns step costs from leaves the waits out (``pools._decode_time_per_token``)."""
+    sched, ex = Scheduler(4, 256, speculative=True), FakeExecutor()
+    first, later = request("r0", n=8), request("r1", n=8)
+    sched.add(first)
+    sched.commit(plan := sched.schedule(free_slots=8), ex.execute(plan))
+    sched.add(later)
+    plan = sched.schedule(free_slots=8)
+    assert plan.prefill == (later,) and plan.decode == (first,)
+    result = ex.execute(plan)
+    result.timing = StepTiming(prefill_s=0.3, propose_s=0.1, verify_s=0.2, total_s=0.6)
+    sched.commit(plan, result)
+    plan = sched.schedule(free_slots=8)
+    assert plan.decode == (first, later) and not plan.prefill
+    result = ex.execute(plan)
+    result.timing = StepTiming(propose_s=0.1, verify_s=0.15, total_s=0.25)
+    sched.commit(plan, result)
+    assert (first.stats.decode_s, first.stats.prefill_wait_s) == pytest.approx((0.55, 0.3))
+    assert (later.stats.decode_s, later.stats.prefill_wait_s) == pytest.approx((0.25, 0.0))

@@ -296,3 +296,15 @@ def test_the_engines_on_a_host_run_the_kernel_bands_its_first_replica_probed(tmp
         later = ModelRunner.from_pretrained(tiny_models["target"], device="cpu", max_slots=1, max_len=16)
     assert probes == []  # adopted, not probed
     assert set(later.kernel_bands().values()) == {range(2, 6)}
+
+
+def test_routing_learns_decode_time_without_the_prefills_a_request_waited_for():
+    """A non-streamed request (one message: the replica's clock) that decoded 9 tokens after its first
+    in 1.2 s, 0.3 s of them other requests' prefills: the wall time per token is what it saw (metrics),
+    the time less the waits what its steps cost (what the router learns drift from)."""
+    from deployments.pools import _decode_time_per_token
+
+    stats = RequestStats(output_tokens=10, first_token_s=0.5, latency_s=1.7, prefill_wait_s=0.3)
+    last = Delta([], "", finished=True, finish_reason="length", stats=stats)
+    assert _decode_time_per_token(None, 0, 0, last) == pytest.approx(1.2 / 9)
+    assert _decode_time_per_token(None, 0, 0, last, prefill_waits=False) == pytest.approx(0.9 / 9)
