@@ -63,9 +63,3 @@ class FadingShares:
 
     def mean(self, key: Hashable) -> float:
         return sum(o * s for o, s in self.shares(key).items())
-
-    def __iter__(self) -> Iterator[Hashable]:
-        return iter(self._outcomes)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._outcomes
