@@ -135,14 +135,16 @@ class PoolLoad:
 
     def decode_batches(self) -> tuple[tuple[int, float], ...]:
         """The batches the request may decode in, with their shares (``joining_shares``; without them,
-        ``decode_batch`` alone)."""
+        ``decode_batch`` alone), merged by power of two (each group at its shares' mean batch): a price per
+        outcome was 5 ms a request for a budgeted pool at 16 outcomes, on the path to the first token."""
         if not self.joining_shares:
             return ((self.decode_batch(), 1.0),)
-        batches: dict[int, float] = {}
+        groups: dict[int, tuple[float, float]] = {}  # batch.bit_length() -> (share, share-weighted batch)
         for rows, share in self.joining_shares:
             b = max(1, self.whole_batch() + rows)
-            batches[b] = batches.get(b, 0.0) + share
-        return tuple(sorted(batches.items()))
+            total, weighted = groups.get(b.bit_length(), (0.0, 0.0))
+            groups[b.bit_length()] = (total + share, weighted + share * b)
+        return tuple(sorted((max(1, round(weighted / total)), total) for total, weighted in groups.values() if total))
 
     def whole_batch(self) -> int:
         """Per-replica batch once this request joins, counting the rows of the pools that share its cores."""

@@ -275,3 +275,12 @@ def test_a_request_that_may_open_a_burst_is_priced_over_the_batches_it_may_decod
     spec = 0.5 * alone.time_per_token_s + 0.5 * joined.time_per_token_s
     assert d.predicted_speedup == pytest.approx(plain / spec)
     assert d.k in (alone.k, joined.k)
+
+
+def test_the_batches_a_request_may_decode_in_are_priced_by_power_of_two():
+    """Outcomes in one power of two price once, at their shares' mean batch: a price per outcome cost a
+    budgeted pool 5 ms a request at 16 outcomes."""
+    load = PoolLoad(joining_shares=((0, 0.5), (3, 0.2), (5, 0.3)))  # batches 1, 4 and 6
+    assert load.decode_batches() == ((1, 0.5), (5, pytest.approx(0.5)))  # 4 and 6 at (0.2*4 + 0.3*6) / 0.5
+    wide = PoolLoad(joining_shares=tuple((rows, 1 / 16) for rows in range(16)))  # batches 1..16
+    assert [b for b, _ in wide.decode_batches()] == [1, 2, 6, 12, 16]
