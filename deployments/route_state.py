@@ -266,9 +266,12 @@ class RouteState:
         total = sum(rows.values())
         shared = {p: dataclasses.replace(load, beside=total - rows[p] if self.shared_compute else 0)
                   for p, load in loads.items()}
-        return {p: dataclasses.replace(load, joining=self.joining(p, load.whole_batch()),
-                                       joining_shares=self.joining_shares(p, load.whole_batch()))
-                for p, load in shared.items()}
+        priced = {}
+        for p, load in shared.items():
+            shares = self.joining_shares(p, load.whole_batch())
+            priced[p] = dataclasses.replace(load, joining=sum(rows * share for rows, share in shares),
+                                            joining_shares=shares)
+        return priced
 
     def joining(self, pool: str, joined: int) -> float:
         """Rows that joined ``pool``'s recent requests that joined at a batch like ``joined`` while they
