@@ -51,6 +51,8 @@ def speculation(run: Execution, stats: RequestStats, costs_source: str) -> dict:
         # requests' prefills it waited for and the serving layer's share
         "decode_s": stats.decode_s,
         "decode_steps": stats.decode_steps,
+        # of its decode time by the clock, the other requests' prefills its engine ran while it decoded
+        "prefill_wait_s": stats.prefill_wait_s,
         "route_reason": d.reason,
         "costs_source": costs_source,
         "migrations": run.migrations,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import random
 import statistics
 import time
@@ -156,6 +157,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         # the router's predicted speedup over plain decoding for the route it chose (plain: 1)
         "predicted": spec.get("predicted_speedup") or 1.0,
         "migrations": spec.get("migrations", 0),
+        # its engine's decode steps by the engine's clock, and the other requests' prefills it waited for
+        "decode_s": spec.get("decode_s", 0.0),
+        "prefill_wait_s": spec.get("prefill_wait_s", 0.0),
         "done": done,  # the stream ended with [DONE]
         "stream_error": stream_error,  # an error event's message
         "profile": None,  # the load's profile name, set by the caller
@@ -261,7 +265,40 @@ def summarize(results: list[dict], wall: float) -> dict:
         # each request's route and the router's reason, in the order they finished: why auto went where it did
         "decisions": [[r["route"], r.get("routed_k"), r.get("route_reason")] for r in ok],
         **({"by_profile": by_profile(ok)} if len({r.get("profile") for r in ok}) > 1 else {}),
+        "tpot_tail": tpot_tail(ok),
     }
+
+
+def tail_line(tail: dict | None) -> str:
+    if not tail:
+        return ""
+    t = tail["slowest"]
+    return (f"slowest TPOT {t['tpot_ms']:.1f} ms: own steps {t['step_share']:.0%}, others' prefills "
+            f"{t['prefill_wait_share']:.0%}, acceptance {t['acceptance_rate']:.2f}, mean K {t['mean_k']:.2f}")
+
+
+def tpot_tail(results: list[dict], share: float = 0.02) -> dict:
+    """Where the slowest TPOTs' time went: the slowest ``share`` of requests by TPOT (at least 2, the
+    ones a p99 falls between) against every request, each as the share of its decode time by the
+    client's clock that its own engine steps took (``decode_s``) and that the other requests' prefills
+    took (``prefill_wait_s``; the rest is the serving layer's), its acceptance and mean K. A slow tail
+    of low-acceptance rows and one of rows that sat through other requests' prefills need other fixes."""
+    timed = sorted((r for r in results if r["tokens"] > 1), key=lambda r: r["tpot"])
+    if not timed:
+        return {}
+    slowest = timed[-max(2, math.ceil(share * len(timed))):]
+
+    def parts(group: list[dict]) -> dict:
+        wall = sum(r["latency"] - r["ttft"] for r in group) or 1.0
+        proposed = sum(r["proposed"] for r in group)
+        steps = sum(r["verify_steps"] + r["plain_steps"] for r in group)
+        return {"requests": len(group), "tpot_ms": 1000 * statistics.fmean(r["tpot"] for r in group),
+                "step_share": sum(r["decode_s"] for r in group) / wall,
+                "prefill_wait_share": sum(r["prefill_wait_s"] for r in group) / wall,
+                "acceptance_rate": sum(r["accepted"] for r in group) / proposed if proposed else 0.0,
+                "mean_k": proposed / steps if steps else 0.0}
+
+    return {"slowest": parts(slowest), "all": parts(timed)}
 
 
 def predicted_speedup(results: list[dict]) -> float:
@@ -356,7 +393,7 @@ def run_serve(args) -> dict:
                        f"vs plain predicted {p['predicted_speedup']:.2f} "
                        f"measured {p.get('vs_plain', float('nan')):.2f}  routed K {p['routed_k']}  "
                        f"routes {p['routes']}  "
-                       f"regimes {p['regimes']}  errors {p['errors']}")
+                       f"regimes {p['regimes']}  errors {p['errors']}  {tail_line(p.get('tpot_tail'))}")
         rates = []
     for rate in rates:
         for mode in tqdm(args.modes, desc=f"rate {rate or f'concurrency {args.concurrency}'}"):
@@ -394,6 +431,17 @@ def serve_markdown(data: dict) -> str:
         for name, q in p.get("by_profile", {}).items():
             lines.append(f"| {p['mode']}: {name} | | | | | | | | {q['median_tpot_ms']:.1f} | {q['p99_tpot_ms']:.1f} "
                          f"| | | | | {q['acceptance_rate']:.2f} | | | {q['routes']} | |")
+    tails = [p for p in data["passes"] if p.get("tpot_tail")]
+    if tails:
+        lines += ["", "Where the slowest TPOTs went (the slowest 2% of requests, at least 2, against all: the share of "
+                  "their decode time in their own engine steps and in other requests' prefills; acceptance, mean K):",
+                  "", "| mode | requests | TPOT ms | own steps | others' prefills | acceptance | mean K |",
+                  "|---" * 7 + "|"]
+        for p in tails:
+            for group in ("slowest", "all"):
+                t = p["tpot_tail"][group]
+                lines.append(f"| {p['mode']}: {group} | {t['requests']} | {t['tpot_ms']:.1f} | {t['step_share']:.0%} | "
+                             f"{t['prefill_wait_share']:.0%} | {t['acceptance_rate']:.2f} | {t['mean_k']:.2f} |")
     first = next((p["first_request"] for p in data["passes"] if "first_request" in p), None)
     if first:
         lines += ["", f"First auto request: {first['latency']:.2f} s, routed {first['route']} ({first['regime']})."]

@@ -255,6 +255,26 @@ def test_a_pass_predicted_speedup_is_its_tokens_over_their_predicted_plain_time(
     assert predicted_speedup([{"tokens": 8, "predicted": 1.0}] * 3) == 1.0
 
 
+def test_the_tpot_tail_says_whether_the_slowest_requests_waited_for_prefills_or_stepped_slowly():
+    from specdec_bench.load import tpot_tail
+
+    def req(tpot, decode_s, waits, accepted, proposed):  # 49 tokens: 48 after the first, 0.1 s to it
+        return {"tokens": 49, "tpot": tpot, "ttft": 0.1, "latency": 0.1 + 48 * tpot, "decode_s": decode_s,
+                "prefill_wait_s": waits, "accepted": accepted, "proposed": proposed, "verify_steps": 12,
+                "plain_steps": 0}
+
+    fast = [req(0.02, 0.9, 0.0, 36, 48)] * 98
+    slow = [req(0.05, 1.2, 1.2, 12, 48), req(0.04, 0.96, 0.96, 12, 48)]  # half their decode in others' prefills
+    tail = tpot_tail(fast + slow)
+    assert tail["slowest"]["requests"] == 2 and tail["all"]["requests"] == 100
+    assert tail["slowest"]["tpot_ms"] == pytest.approx(45.0)
+    assert tail["slowest"]["prefill_wait_share"] == pytest.approx(0.5)
+    assert tail["slowest"]["step_share"] == pytest.approx(0.5)
+    assert tail["slowest"]["acceptance_rate"] == pytest.approx(0.25) and tail["slowest"]["mean_k"] == 4.0
+    assert tail["all"]["prefill_wait_share"] < 0.05 and tail["all"]["acceptance_rate"] > 0.7
+    assert tpot_tail([]) == {}
+
+
 def test_budget_cells_keep_each_modes_acceptance_to_its_own_runs(family):
     """Rates by draft position depend on the K policy that judged them, so the budget must not plan with what
     the fixed-K runs taught (nor leave the engine's tracker changed for the next cell)."""

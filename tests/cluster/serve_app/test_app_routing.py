@@ -36,6 +36,7 @@ def test_auto_speculates_single_greedy_request(client):
     assert out["usage"]["completion_tokens"] == 32
     # its decode steps: fewer than its tokens (it speculated), each a positive wall time
     assert 0 < spec["decode_steps"] < 32 and spec["decode_s"] > 0, spec
+    assert spec["prefill_wait_s"] == 0.0, spec  # alone: no other request's prefill ran while it decoded
     # the same request, greedy: adaptive K changes nothing in the output
     ref = complete(client, max_tokens=32, speculation=PLAIN)
     assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
