@@ -281,7 +281,8 @@ def tpot_tail(results: list[dict], share: float = 0.02) -> dict:
     """Where the slowest TPOTs' time went: the slowest ``share`` of requests by TPOT (at least 2, the
     ones a p99 falls between) against every request, each as the share of its decode time by the
     client's clock that its own engine steps took (``decode_s``) and that the other requests' prefills
-    took (``prefill_wait_s``; the rest is the serving layer's), its acceptance and mean K. A slow tail
+    took (``prefill_wait_s``; the rest is the serving layer's), its acceptance and its mean K (draft tokens
+    per target pass, its prefill's included: a K lowered by adaptive K counts its plain steps). A slow tail
     of low-acceptance rows and one of rows that sat through other requests' prefills need other fixes."""
     timed = sorted((r for r in results if r["tokens"] > 1), key=lambda r: r["tpot"])
     if not timed:
