@@ -140,7 +140,7 @@ class Pools:
             try:
                 if last is not None and last.stats is not None:
                     self._learn_declined(run, Progress.of(last.stats).since(taught), window_since)
-                self._report(run, last, (per_token, step_per_token), time.perf_counter() - t0,
+                self._report(run, last, per_token, step_per_token, time.perf_counter() - t0,
                              _time_to_first_token(t0, t_first, n_first, n_out, last), (joined_rows, decoded_rows))
             except Exception:
                 logger.exception("learning from a finished request failed")
@@ -175,14 +175,14 @@ class Pools:
         self.probing[pool] += n if probe else 0
         self._metrics.set_running(pool, self.active[pool])
 
-    def _report(self, run: Execution, last: Delta | None, per_token: tuple[float, float], latency_s: float,
-                ttft_s: float | None, whole_load: tuple[int, float]) -> None:
+    def _report(self, run: Execution, last: Delta | None, per_token: float, step_per_token: float,
+                latency_s: float, ttft_s: float | None, whole_load: tuple[int, float]) -> None:
         """A request ended: the route state learns from its stats, its decode time per token less the
-        other requests' prefills it waited for (``per_token``: (with, without)), and from the rows of all
-        pools when it was routed and on average while it ran (``whole_load``); the metrics record it."""
+        other requests' prefills it waited for (``step_per_token``; the metrics record ``per_token``, with
+        them), and from the rows of all pools when it was routed and on average while it ran
+        (``whole_load``)."""
         d = run.plan.decision
         stats = last.stats if last is not None and last.finished else None
-        per_token, step_per_token = per_token
         if stats is not None:
             self._route_state.learn(run.pool, run.plan.batch, run.plan.traffic_class, stats, step_per_token,
                                     migrated=run.migrations > 0, whole_load=whole_load)
