@@ -1,9 +1,9 @@
 """The in-process executor: runs a ``StepPlan``'s forwards (``scheduler.py``) on this process's models.
 
-One execute = the admitted requests' prefill (a verify with nothing proposed: it emits their first
-token), then the proposer's K draft tokens for the speculative rows, batched, and one batched target
-pass that verifies them, plain rows included (``Verifier``, Leviathan et al. 2023, Algorithm 1: q
-the draft's distribution, p the target's; accepted tokens plus one recovered or bonus token). The
+One execute = the proposer's K draft tokens for the speculative rows, batched, then one batched target
+pass that verifies them (``Verifier``, Leviathan et al. 2023, Algorithm 1: q the draft's distribution,
+p the target's; accepted tokens plus one recovered or bonus token), plain rows included, and runs the
+admitted requests' prefill beside them (a verify with nothing proposed: it emits their first token). The
 separate topology's executor (``deployments/channel_executor.py``) runs the same plan over channels.
 
 A proposer that fails degrades its rows to plain steps (``StepResult.draft_failed``); it never loses them.
@@ -35,23 +35,21 @@ class LocalExecutor:
         return self.verifier.slots.slot(request_id)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run the plan; raises if a forward fails (the caller isolates the failure)."""
+        """Run the plan; raises if a forward fails (the caller isolates the failure). The prefill rows
+        verify in the decode rows' forward (one stream of the target's weights for both); ``verify_s``
+        times that forward, prefills included (``Scheduler.commit`` splits it)."""
         timing = StepTiming()
-        verified: list[VerifyResult] = []
-        if plan.prefill:
-            t = time.perf_counter()
-            verified = self._verify(plan.prefill, [NO_PROPOSAL] * len(plan.prefill))
-            timing.prefill_s = time.perf_counter() - t
-            timing.prefill_rows = len(plan.prefill)
         proposals, failed = [], set()
         if plan.decode:
             t = time.perf_counter()
             proposals, failed = self._propose(plan.decode, plan.ks)
             timing.propose_s = time.perf_counter() - t
+        verified: list[VerifyResult] = []
+        if plan.rows:
             t = time.perf_counter()
-            verified += self._verify(plan.decode, proposals)
+            verified = self._verify(plan.rows, [NO_PROPOSAL] * len(plan.prefill) + proposals)
             timing.verify_s = time.perf_counter() - t
-        timing.total_s = timing.prefill_s + timing.propose_s + timing.verify_s
+        timing.total_s = timing.propose_s + timing.verify_s
         return StepResult(proposals, verified, failed, timing=timing)
 
     def release(self, request_id: str) -> None:

@@ -88,7 +88,7 @@ class FusedLlamaLayers:
             if q_len == 1:
                 attn = decode_attention(q, keys, values, mask, self.scale)
             elif packed is not None and packed.wide is not None:
-                attn = ragged_attention(q, keys, values, mask, self.scale, packed.wide, gqa)
+                attn = ragged_attention(q, keys, values, mask, self.scale, packed.narrow, packed.wide, gqa)
             else:
                 attn = attention(q, keys, values, mask, self.scale, gqa)
             attn = attn.transpose(1, 2).reshape(batch, q_len, -1)  # [B, Q, heads * D]
@@ -110,7 +110,10 @@ class PackedRows:
     batch: int
     q_len: int
     padded_index: torch.Tensor  # [T]: each real token's place in the padded [batch * q_len] layout
-    wide: tuple[int, ...] | None  # rows of more than one token, attended one by one (None: the padded batch at once)
+    # Rows wider than ``narrow`` tokens, attended one by one beside the others padded to ``narrow``
+    # (None: the whole batch padded to ``q_len`` at once)
+    wide: tuple[int, ...] | None
+    narrow: int = 1
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [batch, q_len, ...], zeros in the padding
         out = x.new_zeros((self.batch * self.q_len,) + x.shape[1:])
@@ -144,18 +147,21 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def ragged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                     wide: tuple[int, ...], gqa: bool) -> torch.Tensor:
-    """Attention of a batch whose rows mostly query one token and a few (``wide``) several: every
-    row's first query streams through ``decode_attention``, then each wide row alone, on views of its
-    own cache (no copy).
+                     narrow: int, wide: tuple[int, ...], gqa: bool) -> torch.Tensor:
+    """Attention of a batch whose rows mostly query at most ``narrow`` tokens and a few (``wide``)
+    more: every row's first ``narrow`` queries at once (``decode_attention`` for one), then each wide
+    row alone, on views of its own cache (no copy). Decode rows beside a prefill are the case: padded
+    to the prompt's width, a batch of K=4 rows paid the prompt's queries each.
 
     q: [B, heads, Q, D] padded; keys, values: [B, kv_heads, T, D]; mask: [B, 1, Q, T] bool.
-    Attention over the whole padded batch costs every row Q queries; here a row's draft tokens cost
-    that row's share. Gathering the wide rows' caches for one call instead copied each one's keys and
-    values every layer: ~0.1 ms a row and layer at context 150 (a third of a batch-8 step's attention).
+    Gathering the wide rows' caches for one call instead copied each one's keys and values every
+    layer: ~0.1 ms a row and layer at context 150 (a third of a batch-8 step's attention).
     """
-    out = decode_attention(q[:, :, :1], keys, values, mask[:, :, :1], scale)  # [B, heads, 1, D]
-    out = out.expand(-1, -1, q.shape[2], -1).contiguous()  # [B, heads, Q, D]: narrow rows' padding repeats
+    if narrow == 1:
+        out = decode_attention(q[:, :, :1], keys, values, mask[:, :, :1], scale)  # [B, heads, 1, D]
+    else:
+        out = attention(q[:, :, :narrow], keys, values, mask[:, :, :narrow], scale, gqa)  # [B, heads, narrow, D]
+    out = F.pad(out, (0, 0, 0, q.shape[2] - narrow))  # [B, heads, Q, D]: the narrow rows' padding is never read
     for row in wide:
         at = slice(row, row + 1)
         out[at] = attention(q[at], keys[at], values[at], mask[at], scale, gqa)

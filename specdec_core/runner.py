@@ -41,10 +41,23 @@ POSITION_ONLY_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 LAYER_TYPES_FAMILIES = ("qwen2", "qwen3", "smollm3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Rows of different widths attend padded to the widest (every row pays the widest row's queries) or one
-# wide row at a time beside the one-token kernel (``fused_llama.ragged_attention``), whose call per row
-# costs about this many padded queries (batch 8, 18 heads x 32: 0.065-0.09 ms a layer; 17 queries' worth
-# at context 150, 7 at 600). Each forward takes the cheaper.
+# wide row at a time beside the others padded to a narrower width (``fused_llama.ragged_attention``), whose
+# call per row costs about this many padded queries (batch 8, 18 heads x 32: 0.065-0.09 ms a layer; 17
+# queries' worth at context 150, 7 at 600). Each forward takes the cheapest (``attention_split``).
 ROW_CALL_QUERIES = 12
+
+
+def attention_split(q: list[int]) -> tuple[tuple[int, ...] | None, int]:
+    """(rows attended one by one, the width the others are padded to) for a forward whose rows feed
+    ``q`` tokens each, at the fewest padded queries; (None, widest): the whole batch padded at once."""
+    batch, q_max = len(q), max(q)
+    best, split = batch * q_max, (None, q_max)
+    for narrow in sorted(set(q))[:-1]:
+        wide = tuple(b for b, n in enumerate(q) if n > narrow)
+        cost = batch * narrow + len(wide) * (ROW_CALL_QUERIES + q_max)
+        if cost < best:
+            best, split = cost, (wide, narrow)
+    return split
 
 
 def default_device() -> torch.device:
@@ -307,12 +320,7 @@ class ModelRunner:
         rope_at = token_positions if packed else positions_t
         pos_emb = (self._rope_table[0][rope_at], self._rope_table[1][rope_at])
         if self._fused is not None:
-            wide = None
-            if packed and min(q) == 1:  # one-token rows beside wider ones: attention per kind where cheaper
-                wide_rows = tuple(b for b, n in enumerate(q) if n > 1)
-                if batch * (q_max - 1) > len(wide_rows) * (ROW_CALL_QUERIES + q_max):
-                    wide = wide_rows
-            layout = PackedRows(batch, q_max, padded_index, wide) if packed else None
+            layout = PackedRows(batch, q_max, padded_index, *attention_split(q)) if packed else None
             hidden = self._fused(hidden, pos_emb, masks, self.cache, layout)  # [1, T, H] when packed
         else:
             for layer, mask in zip(self._layers, masks):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from specdec_core.acceptance import ProposalCoverage, TrafficClass
 from specdec_core.adaptive import REPRICE_EVERY, AdaptiveK, KState, Phase
 from specdec_core.cost_view import CONTEXT_BUCKET
+from specdec_core.decode_clock import DecodeClock
 from specdec_core.proposers import Proposal
 from specdec_core.regret import Regret
 from specdec_core.request import RequestOutput, RequestState
@@ -132,6 +133,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self.budget: StepBudget | None = None  # the last step's budgeted plan (None: not planned)
         self._plain_plan: _PlainPlan | None = None  # the last budgeted plan, while it stands plain
+        self.decode_clock = DecodeClock()  # the decode rows' share of a forward that carried prefills
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -295,7 +297,7 @@ class Scheduler:
         """Apply a step's results; the outputs of its rows and its aborts. A row whose result is an
         exception finishes with "error" (its ``error`` says why). Finished requests leave the batch:
         the caller frees their executor state."""
-        timing = result.timing
+        timing = self._split_prefills(plan, result)
         n_prefill = len(plan.prefill)
         for req, res in zip(plan.prefill, result.verified):
             if self._verified(req, res, NO_PROPOSAL, None):
@@ -311,6 +313,25 @@ class Scheduler:
             req.stats.decode_sampled_rows += sampled
         self.running = [r for r in self.running if not r.finished]
         return [r.output(stream_text) for r in plan.aborted + plan.rows]
+
+    def _split_prefills(self, plan: StepPlan, result: StepResult) -> StepTiming:
+        """The executor timed one verify forward for the step's prefill and decode rows (``verify_s``):
+        the decode rows' share is what their verify costs alone (``DecodeClock``), the prefills' the rest.
+        A forward of decode rows alone teaches the clock."""
+        timing = result.timing
+        timing.prefill_rows = len(plan.prefill)
+        if not plan.decode:
+            timing.prefill_s, timing.verify_s = timing.verify_s, 0.0
+            return timing
+        rows = len(plan.decode)
+        tokens = rows + sum(len(p.token_ids) for p in result.proposals)
+        if not plan.prefill:
+            self.decode_clock.observe(rows, tokens, timing.verify_s)
+            return timing
+        alone = self.decode_clock.price(rows, tokens)
+        decode_s = timing.verify_s if alone is None else min(timing.verify_s, alone)
+        timing.prefill_s, timing.verify_s = timing.verify_s - decode_s, decode_s
+        return timing
 
     def fail(self, req: ScheduledRequest, error: BaseException) -> None:
         """The request fails alone (its step failed without it committing): it leaves the batch."""
@@ -374,6 +395,8 @@ class Scheduler:
         # was priced when the row chose to speculate (``AdaptiveK``: it must pay for itself), so it is
         # neither regret (a long prompt's first speculative step would stop the request at once) nor drift.
         # Plain steps feed no draft: they are always step costs.
+        if plan.prefill:  # its decode share was priced (``DecodeClock``), not measured: it teaches nothing
+            return
         classes = [self._traffic_class(r) for r in rows]
         if catch_up <= 2:
             self._account_regret(rows, result.proposals, before, step_s, classes, context_len)

@@ -116,6 +116,8 @@ class StepTiming:
     planned_speedup: float = 0.0  # a budgeted plan's expected tokens per second over a plain step's (0: none)
     prefill_rows: int = 0
     propose_s: float = 0.0
+    # The decode rows' verify, and the prefill rows' share of that forward (``Scheduler.commit`` splits
+    # what an executor times as one: ``decode_clock``)
     verify_s: float = 0.0
     prefill_s: float = 0.0
     total_s: float = 0.0

@@ -110,6 +110,28 @@ def test_budgeted_verification_is_lossless_with_a_k_per_row(tiny_models, plain_r
     assert sum(o.stats.proposed for o in outs) > 0
 
 
+@pytest.mark.parametrize("k", [0, 3, 7])
+def test_prefills_verified_beside_decode_rows_change_no_output(engine, plain_reference, k):
+    """Requests arriving one a step: each one's prefill runs in the running rows' verify forward (one
+    packed forward, the prefill attended alone beside the verify rows: ``runner.attention_split``).
+    Greedy output is plain's alone, and a seeded sampled request decodes as it does alone."""
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.95, num_speculative_tokens=k, seed=11)
+    alone = engine.generate([PROMPTS[0]], params=[sampled])[0].token_ids
+    params = [SamplingParams(max_new_tokens=24, num_speculative_tokens=k) for _ in PROMPTS] + [sampled]
+    ids, outs, packed = [], {}, 0
+    for prompt, p in zip(PROMPTS + PROMPTS[:1], params):
+        ids.append(engine.add_request(prompt, p))
+        for out in engine.step():
+            outs[out.request_id] = out
+        packed += bool(engine.last_step.prefill_rows and engine.last_step.batch)
+    while engine.has_work():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert packed == len(PROMPTS)  # every later arrival shared a forward with the rows already decoding
+    assert [outs[i].token_ids for i in ids[:-1]] == plain_reference
+    assert outs[ids[-1]].token_ids == alone
+
+
 def test_batched_equals_one_at_a_time(engine):
     kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.95, num_speculative_tokens=3, seed=11)
     batched = engine.generate(PROMPTS, **kw)

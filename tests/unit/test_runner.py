@@ -43,6 +43,8 @@ def _reference_logits(model, tokens: list[int], last: int) -> torch.Tensor:  # [
         # (runner.ROW_CALL_QUERIES: cheaper than padding every row to 7 queries).
         ([[5, 9], [1, 2, 3], [4, 4, 4, 4], [7]], [[[1, 2, 3, 4, 5, 6, 7], [8], [9], [3]]]),
         ([[5, 9], [1, 2, 3], [4, 4, 4, 4], [7]], [[[1, 2], [8], [9, 1], [3]]]),  # two wide rows: padded
+        # A prefill beside verify rows: it attends alone, the others padded to their own width
+        ([[5, 9], [1, 2, 3], [4, 4, 4, 4], [7]], [[list(range(1, 21)), [8, 1], [9, 1, 2], [3, 2]]]),
     ],
 )
 def test_ragged_batched_forward_matches_hf(runner_and_reference, prompts, steps):
@@ -106,9 +108,10 @@ def test_verify_attention_is_sdpa_on_the_head_major_cache(heads, kv_heads, q_len
     ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
     torch.testing.assert_close(small_query_attention(q, keys, values, mask, scale), ref, rtol=1e-5, atol=1e-6)
     wide, narrow = [1, 3], [0, 2, 4]
-    out = ragged_attention(q, keys, values, mask, scale, tuple(wide), heads != kv_heads)
-    torch.testing.assert_close(out[wide], ref[wide], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out[narrow, :, 0], ref[narrow, :, 0], rtol=1e-5, atol=1e-6)
+    for width in range(1, q_len):  # the narrow rows' first queries at once, the wide ones alone
+        out = ragged_attention(q, keys, values, mask, scale, width, tuple(wide), heads != kv_heads)
+        torch.testing.assert_close(out[wide], ref[wide], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[narrow, :, :width], ref[narrow, :, :width], rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +174,16 @@ def test_bounded_cache_keeps_its_sinks():
     seen = [[p for p, m in zip(columns, row) if m] for row in mask.tolist()]
     assert seen == [[0, 1, 8, 9, 10, 7], [0, 1, 9, 10, 11, 12]]
     assert window.kept(0, 20) == [0, 1, 16, 17, 18, 19]  # a long prefill: the sinks and the window
+
+
+@pytest.mark.parametrize("q, split", [
+    ([1, 1, 1, 1], (None, 1)),
+    ([5, 5, 5, 30], ((3,), 5)),  # a prefill beside K=4 rows: it alone, the rows at their own width
+    ([1, 5, 1, 5], (None, 5)),  # two wide rows of four: padding is cheaper than two calls
+    ([1] * 7 + [9], ((7,), 1)),
+    ([1, 5, 5, 5, 5, 5, 5, 40], ((7,), 5)),
+])
+def test_attention_split_pads_to_the_width_that_costs_the_fewest_queries(q, split):
+    from specdec_core.runner import attention_split
+
+    assert attention_split(q) == split

@@ -135,24 +135,49 @@ def test_aborts_leave_at_the_next_boundary_waiting_or_running():
     assert not sched.has_work()
 
 
-def test_a_row_keeps_the_prefills_it_waited_for_apart_from_its_decode_steps():
-    """A step that prefills a new request before the running rows' decode: the running rows took part
-    in its decode (``decode_s``) and waited for the prefill (``prefill_wait_s``); the new request waited
-    for nothing. What routing learns step costs from leaves the waits out (``pools._decode_time_per_token``)."""
+def _step(sched, ex, timing: StepTiming | None = None):
+    plan = sched.schedule(free_slots=8)
+    result = ex.execute(plan)
+    if timing is not None:
+        result.timing = timing
+    sched.commit(plan, result)
+    return plan
+
+
+def test_a_prefill_beside_decode_rows_costs_them_only_what_their_forward_did_not_cost_alone():
+    """The executor times one forward for a step's prefill and decode rows. The decode rows' share is what
+    their verify costs alone (``DecodeClock``: learnt from forwards of decode rows only), the prefill's the
+    rest: the running row took part in its decode (``decode_s``) and waited for the prefill
+    (``prefill_wait_s``); the new request waited for nothing. What routing learns step costs from leaves
+    the waits out (``pools._decode_time_per_token``). Split by tokens, the row would be charged 4/5 of 0.5 s
+    of a forward that costs it 0.2 s alone."""
     sched, ex = Scheduler(4, 256, speculative=True), FakeExecutor()
-    first, later = request("r0", n=8), request("r1", n=8)
+    first, later = request("r0", n=40, k=3), request("r1", n=40, k=3)
     sched.add(first)
-    sched.commit(plan := sched.schedule(free_slots=8), ex.execute(plan))
+    _step(sched, ex)  # its prefill
+    _step(sched, ex, StepTiming(propose_s=0.1, verify_s=0.2, total_s=0.3))  # alone: the clock learns 0.2 s
     sched.add(later)
-    plan = sched.schedule(free_slots=8)
+    plan = _step(sched, ex, StepTiming(propose_s=0.1, verify_s=0.5, total_s=0.6))  # 4 decode tokens, 1 prefill
     assert plan.prefill == (later,) and plan.decode == (first,)
-    result = ex.execute(plan)
-    result.timing = StepTiming(prefill_s=0.3, propose_s=0.1, verify_s=0.2, total_s=0.6)
-    sched.commit(plan, result)
-    plan = sched.schedule(free_slots=8)
+    plan = _step(sched, ex, StepTiming(propose_s=0.1, verify_s=0.15, total_s=0.25))
     assert plan.decode == (first, later) and not plan.prefill
-    result = ex.execute(plan)
-    result.timing = StepTiming(propose_s=0.1, verify_s=0.15, total_s=0.25)
-    sched.commit(plan, result)
-    assert (first.stats.decode_s, first.stats.prefill_wait_s) == pytest.approx((0.55, 0.3))
+    assert (first.stats.decode_s, first.stats.prefill_wait_s) == pytest.approx((0.85, 0.3))
     assert (later.stats.decode_s, later.stats.prefill_wait_s) == pytest.approx((0.25, 0.0))
+
+
+def test_a_prefill_before_any_decode_forward_alone_costs_its_rows_nothing_and_teaches_no_drift():
+    """Before the clock has seen decode rows alone at this batch, the whole forward is theirs (what was
+    measured, not a guess); a forward that carried a prefill teaches the drift nothing: its decode share
+    was priced, not measured."""
+    costs = StepCosts(batches=(1, 2), qs=(1, 4), target_s=((0.1, 0.1), (0.1, 0.1)), draft_s=(0.01, 0.01))
+    adaptive = AdaptiveK(CostView(costs), AcceptanceTracker(prior_mean=0.95), "d", "colocated")
+    sched, ex = Scheduler(4, 256, speculative=True, adaptive=adaptive), FakeExecutor()
+    first, later = request("r0", n=40, k=3, adaptive_k=True), request("r1", n=40, k=3, adaptive_k=True)
+    sched.add(first)
+    _step(sched, ex)
+    sched.add(later)
+    _step(sched, ex, StepTiming(propose_s=0.1, verify_s=0.5, total_s=0.6))
+    assert (first.stats.decode_s, first.stats.prefill_wait_s) == pytest.approx((0.6, 0.0))
+    assert not adaptive.measured.buckets and not adaptive.view.drift.buckets
+    _step(sched, ex, StepTiming(propose_s=0.1, verify_s=0.2, total_s=0.3))  # decode rows alone: the drift learns
+    assert adaptive.measured.buckets
