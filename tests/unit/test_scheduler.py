@@ -165,7 +165,7 @@ def test_a_prefill_beside_decode_rows_costs_them_only_what_their_forward_did_not
     assert (later.stats.decode_s, later.stats.prefill_wait_s) == pytest.approx((0.25, 0.0))
 
 
-def test_a_prefill_before_any_decode_forward_alone_costs_its_rows_nothing_and_teaches_no_drift():
+def test_before_any_decode_forward_alone_the_whole_packed_forward_is_the_decode_rows_and_teaches_no_drift():
     """Before the clock has seen decode rows alone at this batch, the whole forward is theirs (what was
     measured, not a guess); a forward that carried a prefill teaches the drift nothing: its decode share
     was priced, not measured."""
