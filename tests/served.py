@@ -5,6 +5,7 @@ helper module, not a test module)."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
@@ -100,6 +101,27 @@ def complete(client, prompt="It is a truth universally", **kw) -> dict:
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def streamed_token_ids(client, speculation: dict, prompt="It is a truth universally", max_tokens=24) -> list[int]:
+    """The greedy token ids of one streamed completion; asserts the stream ended with [DONE]."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True, "speculation": speculation}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    return [t for e in events[:-1] if e["choices"] for t in e["choices"][0].get("token_ids") or []]
+
+
+def raw_answer(url: str, raw: bytes) -> bytes:
+    """What the server at ``url`` answers on a fresh connection to ``raw``, until it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(raw)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
 
 
 def stats(server) -> dict:

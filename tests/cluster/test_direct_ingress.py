@@ -5,11 +5,9 @@ KV slot, as through the proxy."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
-from served import PATHS, app_args, complete, free_port, running_app, sse_events, wait_idle
+from served import PATHS, app_args, complete, free_port, running_app, streamed_token_ids, wait_idle
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,17 +31,11 @@ def server(tiny_models):
     # Read by the processes the cluster starts (the controller, the proxy, the replicas), so set before it.
     env = {**DIRECT_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 20)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
         with running_app(app_args(tiny_models)) as app:
             yield {**app, "direct": _direct_url(first)}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -54,13 +46,8 @@ def test_direct_and_proxy_give_the_same_output(server, path):
             httpx.Client(base_url=server["direct"], timeout=120) as direct:
         via_proxy = complete(proxy, speculation=speculation)["choices"][0]["token_ids"]
         via_direct = complete(direct, speculation=speculation)["choices"][0]["token_ids"]
-        body = {"model": "tiny", "prompt": "It is a truth universally", "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, "stream": True, "speculation": speculation}
-        with direct.stream("POST", "/v1/completions", json=body) as r:
-            events = sse_events(r.iter_lines())
-    streamed = [t for e in events if e != "[DONE]" and e["choices"] for t in e["choices"][0].get("token_ids") or []]
+        streamed = streamed_token_ids(direct, speculation)
     assert via_direct == via_proxy == streamed and len(streamed) == 24
-    assert events[-1] == "[DONE]"
 
 
 def test_a_client_leaving_mid_stream_frees_everything(server):

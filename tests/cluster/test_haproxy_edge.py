@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import HEADER_TIMEOUT_S, PATHS, app_args, complete, free_port, running_app, sse_events
+from served import HEADER_TIMEOUT_S, PATHS, app_args, complete, free_port, raw_answer, running_app, streamed_token_ids
 
 from deployments.proxy_edge import haproxy_environment
 
@@ -61,16 +61,6 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def _raw_answer(url: str, raw: bytes) -> bytes:
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(raw)
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-    return out
-
-
 @pytest.fixture(scope="module")
 def server(tiny_models):
     first = free_port()
@@ -80,18 +70,12 @@ def server(tiny_models):
            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 20)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
         with running_app(app_args(tiny_models)) as app:
             import ray
             yield {**app, "node": ray.get_runtime_context().get_node_id()}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_haproxy_listens_on_the_services_host_only(server):
@@ -109,22 +93,17 @@ def test_requests_through_haproxy_decode_as_plain_greedy(server, path):
     with httpx.Client(base_url=server["url"], timeout=120) as client:
         plain = complete(client, speculation=PATHS["plain"])["choices"][0]["token_ids"]
         whole = complete(client, speculation=PATHS[path])["choices"][0]["token_ids"]
-        body = {"model": "tiny", "prompt": "It is a truth universally", "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, "stream": True, "speculation": PATHS[path]}
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            events = sse_events(r.iter_lines())
-    streamed = [t for e in events if e != "[DONE]" and e["choices"] for t in e["choices"][0].get("token_ids") or []]
+        streamed = streamed_token_ids(client, PATHS[path])
     assert whole == plain == streamed and len(streamed) == 24
-    assert events[-1] == "[DONE]"
 
 
 def test_haproxy_refuses_what_does_not_parse_and_cuts_off_slow_headers(server):
     """HAProxy answers these itself, with its own HTML bodies (an ``errorfile`` does not reach its HTTP/1
     parser's errors before HAProxy 3.2); the header timeout is the edge's, not Serve's hour."""
-    bad = _raw_answer(server["url"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    bad = raw_answer(server["url"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
     assert bad.startswith(b"HTTP/1.1 400"), bad
     t0 = time.monotonic()
-    slow = _raw_answer(server["url"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    slow = raw_answer(server["url"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     assert slow.startswith(b"HTTP/1.1 408"), slow
     assert 0.9 * HEADER_TIMEOUT_S <= time.monotonic() - t0 < 10 * HEADER_TIMEOUT_S
     with httpx.Client(base_url=server["url"], timeout=120) as client:

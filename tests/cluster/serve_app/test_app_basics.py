@@ -4,11 +4,10 @@ chat over httpx and the official openai client."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
-from served import COLOCATED, HEADER_TIMEOUT_S, complete
+from served import COLOCATED, HEADER_TIMEOUT_S, complete, raw_answer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,25 +18,14 @@ def test_health_models(client):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
 
 
-def _raw_answer(server, raw: bytes) -> bytes:
-    """What the server answers on a fresh connection to ``raw``, until it closes the connection."""
-    host, port = server["url"].removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(raw)
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-    return out
-
-
 def test_the_proxys_http_server_answers_openai_errors_and_times_out_slow_headers(server, client):
     """Serve's proxy runs deployments/proxy_edge.py's guards (tests/unit/test_http_edge.py has the cases):
     what does not parse as HTTP gets OpenAI's body, half-sent headers a 408 after the header timeout."""
-    bad = _raw_answer(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    bad = raw_answer(server["url"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
     assert bad.startswith(b"HTTP/1.1 400") and json.loads(bad.partition(b"\r\n\r\n")[2])["error"]["code"] == \
         "invalid_http", bad
     t0 = time.monotonic()
-    slow = _raw_answer(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    slow = raw_answer(server["url"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     # the server's timer runs on its own loop's clock: it may fire a hair before this clock's 2 s (1.9999997 s seen)
     assert slow.startswith(b"HTTP/1.1 408") and 0.95 * HEADER_TIMEOUT_S <= time.monotonic() - t0 < 10 * HEADER_TIMEOUT_S
     assert complete(client, max_tokens=2)["usage"]["completion_tokens"] == 2  # and the server serves on
