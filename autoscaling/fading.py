@@ -63,3 +63,26 @@ class FadingShares:
 
     def mean(self, key: Hashable) -> float:
         return sum(o * s for o, s in self.shares(key).items())
+
+
+class MovingMeans:
+    """A moving average per key that does not fade: the mean of its first observations until ``1 / n`` falls
+    under the weight, then an exponential moving average. For lessons that hold until observations change
+    them, where a faded one would read as a measured 0 (a time to first token)."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self._values: dict[Hashable, tuple[float, int]] = {}  # key -> (mean, observations)
+
+    def update(self, key: Hashable, observed: float) -> None:
+        value, n = self._values.get(key, (0.0, 0))
+        self._values[key] = (value + max(self.weight, 1.0 / (n + 1)) * (observed - value), n + 1)
+
+    def get(self, key: Hashable) -> float:
+        return self._values.get(key, (0.0, 0))[0]
+
+    def count(self, key: Hashable) -> int:
+        return self._values.get(key, (0.0, 0))[1]
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._values)

@@ -29,6 +29,9 @@ Rules, in order:
    class recently sent there at this batch plain (``PoolLoad.declined``: the engine measured its
    speculative steps losing to its plain ones) is not sent more of them: they would decode plain
    there, beside the plain pool's rows on the same cores, where the plain pool serves them whole.
+   Every option is priced over the whole request (``whole_request``): its decode steps at the cost model's
+   price, and its TTFT and the other requests' prefills it waits for as each pool's requests measured them
+   at that batch (``PoolLoad.waits``).
 
 Probes (``autoscaling/probes.py``, scheduled by ``autoscaling/exploration.py``): a class that rule 3
 keeps sending plain for its acceptance gets a few probe requests on speculation (``probe_route``) so
@@ -103,6 +106,23 @@ class RequestFeatures:
 
 
 @dataclass(frozen=True)
+class RequestWaits:
+    """What a request of a pool waited for besides its own decode steps, as the pool's finished requests at a
+    batch measured it: its time to first token, and the other requests' prefills per second of its own steps.
+    Plain rows of one length finish together, so their successors' prefills batch into the successors' TTFT;
+    speculative rows finish apart, so each successor's prefill runs in the rows beside it, and a row's TTFT
+    waits for a longer step in flight (c=16, code: plain 1.08 s TTFT and 0.01 s of prefills per second of its
+    steps, co-located 0.50 s and 0.34; BENCHMARKS.md, "The whole request priced")."""
+
+    ttft_s: float
+    prefill_wait_ratio: float
+
+    def latency(self, decode_s: float) -> float:
+        """A request's latency whose own decode steps take ``decode_s``."""
+        return self.ttft_s + decode_s * (1.0 + self.prefill_wait_ratio)
+
+
+@dataclass(frozen=True)
 class PoolLoad:
     active: int = 0  # sequences decoding in the pool
     queued: int = 0  # sequences routed but not yet decoding
@@ -116,6 +136,9 @@ class PoolLoad:
     # Share of their decode steps that the pool's adaptive K recently ran plain for auto requests of this
     # class at this batch: the engine's own verdict, from its measured steps, on the speculation routed there
     declined: float = 0.0
+    # What its requests and the plain pool's waited for besides their own steps at this pool's decode batch
+    # (plain's, this pool's), as finished requests measured it; None where either is unmeasured
+    waits: tuple[RequestWaits, RequestWaits] | None = None
 
     def has_room(self) -> bool:
         return self.active + self.queued < self.replicas * self.capacity
@@ -302,13 +325,29 @@ def _expected(ctx: RoutingContext, topology: str, load: PoolLoad) -> KChoice:
     return KChoice(k, spec, plain / spec)
 
 
+def whole_request(ctx: RoutingContext, topology: str, load: PoolLoad, choice: KChoice) -> KChoice:
+    """``choice`` priced over the request's whole latency, not its decode steps alone: its TTFT and the
+    other requests' prefills it waits for, as each pool's requests measured them at this batch
+    (``PoolLoad.waits``), beside its own steps at the cost model's price. A decode step 1.18x faster bought
+    a request at c=16 1.02x (code) where speculation's waits were longer than plain's. Unmeasured, or a
+    plain choice: as it is."""
+    if load.waits is None or choice.k == 0:
+        return choice
+    plain_waits, own_waits = load.waits
+    plain_s = ctx.features.max_tokens * ctx.cost_models[topology].plain_time_per_token(load.decode_batch())
+    plain = plain_waits.latency(plain_s)
+    spec = own_waits.latency(plain_s / choice.predicted_speedup)
+    return KChoice(choice.k, spec / ctx.features.max_tokens, plain / spec)
+
+
 def spec_options(ctx: RoutingContext) -> list[_Option]:
-    """Best K per available spec topology, over the batches the request can expect to decode in there."""
+    """Best K per available spec topology, over the batches the request can expect to decode in there,
+    priced over the whole request (``whole_request``)."""
     options = []
     for t in SPEC_TOPOLOGIES:
         load = ctx.loads.get(t)
         if t in ctx.cost_models and load is not None and load.replicas > 0:
-            options.append(_Option(t, load.decode_batch(), _expected(ctx, t, load),
+            options.append(_Option(t, load.decode_batch(), whole_request(ctx, t, load, _expected(ctx, t, load)),
                                    load.declined >= ctx.thresholds.declined_share))
     return options
 
@@ -319,6 +358,11 @@ def _regime(ctx: RoutingContext, best: _Option | None) -> str:
     f, cm, a = ctx.features, ctx.cost_models[best.topology], ctx.acceptance
     no_hop = CostModel(replace(cm.costs, hop_overhead_s={best.topology: 0.0}))
     short = ctx.short_context_models.get(best.topology, cm)
+
+    def whole(model: CostModel) -> float:  # at this batch, priced as ``best`` is: over the whole request
+        choice = _best(ctx, best.topology, best.batch, a, model)
+        return whole_request(ctx, best.topology, ctx.loads[best.topology], choice).predicted_speedup
+
     ev = RegimeEvidence(
         temperature=f.temperature,
         prompt_tokens=f.prompt_tokens,
@@ -329,8 +373,8 @@ def _regime(ctx: RoutingContext, best: _Option | None) -> str:
         cost_ratio=cm.cost_ratio(best.batch),
         speedup=best.choice.predicted_speedup,
         speedup_batch1=_best(ctx, best.topology, 1, a).predicted_speedup,
-        speedup_no_hop=_best(ctx, best.topology, best.batch, a, no_hop).predicted_speedup,
-        speedup_short_context=_best(ctx, best.topology, best.batch, a, short).predicted_speedup,
+        speedup_no_hop=whole(no_hop),
+        speedup_short_context=whole(short),
     )
     return classify_regime(ev, ctx.thresholds)
 
@@ -434,12 +478,16 @@ def _stay(ctx: RoutingContext, home: str | None, options: list[_Option]) -> _Opt
     """The speculative pool that holds the load on shared cores, priced with K >= 1 for a request that
     joins it, where speculation there is within ``split_margin`` of plain (the replica's adaptive K goes
     down to K=0 where it does not pay); None where the load is not in a speculative pool, or it is full,
-    or a budgeted pool would plan the request plain, or its adaptive K ran such requests plain."""
+    or a budgeted pool would plan the request plain, or its adaptive K ran such requests plain.
+    Priced over the whole request (``whole_request``), it must pay by the margin: what adaptive K undoes
+    is a step's loss, not the waits of rows that finish apart (c=16, code: 224 of 384 auto requests
+    stayed co-located at a whole price of 1.00-1.04, and auto's p99 TPOT was 1.40x plain's)."""
     opt = next((o for o in options if o.topology == home and ctx.loads[o.topology].has_room()), None)
     if opt is None or opt.declined or home in ctx.budgeted and opt.choice.k == 0:
         return None
-    choice = opt.choice if opt.choice.k > 0 else ctx.cost_models[home].best_k(
-        opt.batch, ctx.acceptance, ctx.k_max, home, allow_plain=False)
-    if choice.predicted_speedup <= 1.0 + ctx.thresholds.margin - ctx.thresholds.split_margin:
+    choice = opt.choice if opt.choice.k > 0 else whole_request(ctx, home, ctx.loads[home], ctx.cost_models[
+        home].best_k(opt.batch, ctx.acceptance, ctx.k_max, home, allow_plain=False))
+    tolerance = 0.0 if ctx.loads[home].waits is not None else ctx.thresholds.split_margin
+    if choice.predicted_speedup <= 1.0 + ctx.thresholds.margin - tolerance:
         return None
     return replace(opt, choice=choice)

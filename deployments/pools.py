@@ -185,7 +185,7 @@ class Pools:
         stats = last.stats if last is not None and last.finished else None
         if stats is not None:
             self._route_state.learn(run.pool, run.plan.batch, run.plan.traffic_class, stats, step_per_token,
-                                    migrated=run.migrations > 0, whole_load=whole_load)
+                                    migrated=run.migrations > 0, whole_load=whole_load, ttft_s=ttft_s)
         if stats is not None and stats.proposed:
             tr = self._route_state.tracker
             self._metrics.acceptance(run.plan.traffic_class, tr.estimate(run.plan.traffic_class),

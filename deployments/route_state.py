@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from autoscaling.exploration import Exploration
-from autoscaling.fading import FadingMeans, FadingShares
+from autoscaling.fading import FadingMeans, FadingShares, MovingMeans
 from autoscaling.probes import scheduled_probe
 from autoscaling.routing import (
     PLAIN_POOL,
@@ -28,6 +28,7 @@ from autoscaling.routing import (
     Pool,
     PoolLoad,
     RequestFeatures,
+    RequestWaits,
     RoutingContext,
     RoutingDecision,
     RoutingError,
@@ -77,6 +78,11 @@ DECLINED_HALF_LIFE_S = 60.0
 # On shared cores, a request teaches the served drift only where other pools held at most this share of the rows
 # while it ran (``RouteState._ran_alone``).
 ALONE_SHARE = 0.1
+# What a pool's requests waited for besides their own steps (``RouteState.waits``), per pool and batch bucket:
+# moving means over finished requests that do not fade (a faded TTFT would read as a short one), believed
+# from this many requests on
+WAITS_WEIGHT = 0.1
+WAITS_MIN_REQUESTS = 3
 
 
 def objective_of(requested: str | None, service_tier: str | None) -> str:
@@ -142,6 +148,7 @@ class RouteState:
         self._separate_adaptive: AdaptiveK | None = None
         self._joining = FadingShares(JOINING_WEIGHT, JOINING_HALF_LIFE_S, clock)  # (pool, joined bucket) -> rows
         self._declined = FadingMeans(DECLINED_WEIGHT, DECLINED_HALF_LIFE_S, clock)  # (pool, bucket, class) -> share
+        self._waits = MovingMeans(WAITS_WEIGHT)  # (pool, bucket, "ttft_s" | "prefill_wait_ratio") -> mean
         self.set_costs(PRIOR_COSTS)
 
     @classmethod
@@ -224,7 +231,8 @@ class RouteState:
     def context(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> RoutingContext:
         cls = features.traffic_class
         spec = [t for t in SPEC_TOPOLOGIES if t in loads]
-        loads = {p: dataclasses.replace(load, declined=self.declined(p, load.decode_batch(), cls)) if p in spec
+        loads = {p: dataclasses.replace(load, declined=self.declined(p, load.decode_batch(), cls),
+                                        waits=self.waits_beside_plain(p, load.decode_batch())) if p in spec
                  else load for p, load in loads.items()}
         return RoutingContext(
             features=features,
@@ -326,26 +334,57 @@ class RouteState:
             self._declined.update((pool, self.drift.bucket(batch), cls), window.plain_steps / window.steps,
                                   min(1.0, window.steps / DECLINE_WINDOW_STEPS))
 
+    def waits(self, pool: str, batch: float) -> RequestWaits | None:
+        """What ``pool``'s finished requests that decoded at a batch like ``batch`` (the whole load's, on shared
+        cores) waited for besides their own steps (None: fewer than ``WAITS_MIN_REQUESTS`` measured it)."""
+        key = (pool, self.drift.bucket(batch))
+        if self._waits.count((*key, "ttft_s")) < WAITS_MIN_REQUESTS:
+            return None
+        return RequestWaits(self._waits.get((*key, "ttft_s")), self._waits.get((*key, "prefill_wait_ratio")))
+
+    def waits_beside_plain(self, pool: str, batch: float) -> tuple[RequestWaits, RequestWaits] | None:
+        """(the plain pool's, ``pool``'s) ``waits`` at ``batch``; None unless both are measured."""
+        plain, own = self.waits(PLAIN_POOL, batch), self.waits(pool, batch)
+        return None if plain is None or own is None else (plain, own)
+
+    def waits_lessons(self) -> list[tuple[str, int, float, float, int]]:
+        """The ``waits`` learnt: (pool, batch bucket, TTFT seconds, prefill waits per second of own steps,
+        requests), for ``/v1/regimes``."""
+        keys = sorted({key[:2] for key in self._waits})
+        return [(pool, bucket, self._waits.get((pool, bucket, "ttft_s")),
+                 self._waits.get((pool, bucket, "prefill_wait_ratio")), self._waits.count((pool, bucket, "ttft_s")))
+                for pool, bucket in keys]
+
+    def _learn_waits(self, pool: str, batch: float, ttft_s: float, stats: RequestStats) -> None:
+        key = (pool, self.drift.bucket(batch))
+        self._waits.update((*key, "ttft_s"), ttft_s)
+        self._waits.update((*key, "prefill_wait_ratio"), stats.prefill_wait_s / stats.decode_s)
+
     def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
         """The drift bucket of ``batch`` and whether served steps of ``kind`` (a pool) are measured there."""
         return self.drift.bucket(batch), self.drift.measured(batch, kind)
 
     # ---- feedback ------------------------------------------------------------------------------
     def learn(self, pool: str, batch: int, cls: TrafficClass, stats: RequestStats, seconds_per_token: float,
-              migrated: bool, whole_load: tuple[int, float] | None = None) -> None:
+              migrated: bool, whole_load: tuple[int, float] | None = None, ttft_s: float | None = None) -> None:
         """A request finished: its judged draft tokens teach the acceptance estimate of its class, its
         measured time per token the served drift (not after a migration: a re-prefill is no step time)
         at the batch its decode steps ran in (``batch``, the one it joined, only when it ran none: in a
         closed loop a request that joined an idle pool decodes beside the ones that follow it, and
-        timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration).
+        timing learnt at the joined batch put batch-8 steps in the batch-1 bucket, 2.3x its calibration),
+        and its TTFT (``ttft_s``, by the router's clock) and prefill waits its pool's ``waits`` there.
         Where the pools share their cores, the rows that joined it are the whole load's: ``whole_load``
         = (all pools' rows once it joined, their mean while it ran), per replica of its pool."""
+        shared = self.shared_compute and whole_load is not None and whole_load[1]
         if not migrated:
-            if self.shared_compute and whole_load is not None and whole_load[1]:
+            if shared:
                 self._learn_joining(pool, *whole_load)
             elif not self.shared_compute and stats.mean_decode_batch:
                 self._learn_joining(pool, batch, stats.mean_decode_batch)
-        if seconds_per_token and not migrated and self._ran_alone(stats, whole_load):
+        alone = not migrated and self._ran_alone(stats, whole_load)
+        if alone and ttft_s is not None and stats.decode_s > 0:
+            self._learn_waits(pool, whole_load[1] if shared else stats.mean_decode_batch or batch, ttft_s, stats)
+        if seconds_per_token and alone:
             self.observe_timing(pool, stats.mean_decode_batch or batch, stats, seconds_per_token, cls)
         if stats.proposed:
             self.observe(cls, stats)

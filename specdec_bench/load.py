@@ -196,7 +196,7 @@ async def run_pass(args, model: str, speculation: dict | None, rate: float | Non
         else:  # closed loop: fixed concurrency
             results = await closed_loop(client, model, traffic, range(args.requests), args, speculation)
         wall = time.perf_counter() - t0
-    return summarize(results, wall)
+    return summarize(results, wall, None if rate else args.concurrency)
 
 
 async def closed_loop(client: httpx.AsyncClient, model: str, traffic: Traffic, requests: range, args,
@@ -204,14 +204,21 @@ async def closed_loop(client: httpx.AsyncClient, model: str, traffic: Traffic, r
     """``requests`` sent by ``args.concurrency`` clients, each sending its next as its last finishes
     (``vllm bench serve --max-concurrency``): the load stays at the concurrency until the queue runs out."""
     queue = list(requests)[::-1]
-    results = []
+    results, idle_at = [], []
 
     async def client_loop():
         while queue:
             i = queue.pop()
-            results.append(await traffic_request(client, model, traffic, i, args, speculation))
+            result = await traffic_request(client, model, traffic, i, args, speculation)
+            result["finished_at"] = time.perf_counter()
+            results.append(result)
+        idle_at.append(time.perf_counter())
 
     await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
+    # Once the first client finds the queue empty, the load drains: the requests still running finish in a
+    # batch that shrinks, so their latencies are not the concurrency's
+    for result in results:
+        result["full_load"] = result.pop("finished_at") <= min(idle_at)
     return results
 
 
@@ -231,7 +238,23 @@ def _latency_fields(name: str, seconds: list[float]) -> dict:
             f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0, f"p99_{name}_ms": _percentile(ms, 99)}
 
 
-def summarize(results: list[dict], wall: float) -> dict:
+def steady_throughput(results: list[dict], concurrency: int | None) -> float | None:
+    """Output tok/s of a closed loop held at its concurrency: by Little's law, N clients that never wait
+    between requests complete N / (mean latency) requests a second, so N x (their tokens / their latency),
+    over the requests that ran at the full load (``full_load``; all of them if none did). A pass's wall time
+    also holds its drain, where clients that ran out of requests idle until the slowest finishes: a mode
+    whose rows finish at different steps (speculation) drains longer than one whose rows finish together
+    (plain at one output length), and an interleaved run drains once per round. Measured at c=16: auto's
+    wall tok/s 5-7% below this, plain's 0-3% (BENCHMARKS.md, "Steady throughput"). None for an open loop."""
+    ok = [r for r in results if "error" not in r]
+    steady = [r for r in ok if r.get("full_load")] or ok
+    latency = sum(r["latency"] for r in steady)
+    if not concurrency or not latency:
+        return None
+    return concurrency * sum(r["tokens"] for r in steady) / latency
+
+
+def summarize(results: list[dict], wall: float, concurrency: int | None = None) -> dict:
     """One pass's numbers in ``vllm bench serve``'s JSON field names (completed, duration,
     request_throughput, output_throughput, mean/median/std/p99 of ttft, tpot, itl and e2el in ms),
     so they compare across tools, plus this project's acceptance, routes and regimes."""
@@ -247,6 +270,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "total_output_tokens": output,
         "request_throughput": len(ok) / wall if wall else 0.0,
         "output_throughput": output / wall if wall else 0.0,
+        "steady_output_throughput": steady_throughput(results, concurrency),
         **_latency_fields("ttft", [r["ttft"] for r in ok]),
         **_latency_fields("tpot", [r["tpot"] for r in ok if r["tokens"] > 1]),
         **_latency_fields("itl", [x for r in ok for x in r["itl"]]),
@@ -363,18 +387,32 @@ async def run_interleaved(args, model: str) -> list[dict]:
                 results[mode] += got
                 if mode == "auto" and first_auto is None:
                     first_auto = got[0]
-    passes = [{"mode": m, "rate": None, "concurrency": args.concurrency, **summarize(results[m], wall[m])}
-              for m in modes]
+    passes = [{"mode": m, "rate": None, "concurrency": args.concurrency,
+               **summarize(results[m], wall[m], args.concurrency)} for m in modes]
     if first_auto is not None:
         passes[0]["first_request"] = {k: first_auto.get(k) for k in ("latency", "ttft", "route", "regime")}
-    best = max((p for p in passes if p["mode"] != "auto"), key=lambda p: p["output_throughput"], default=None)
-    plain = next((p for p in passes if p["mode"] == "plain"), None)
-    for p in passes:
-        if best is not None and best["output_throughput"] > 0:
-            p["vs_best_explicit"] = p["output_throughput"] / best["output_throughput"]
-        if plain is not None and plain["output_throughput"] > 0:  # measured, beside predicted_speedup
-            p["vs_plain"] = p["output_throughput"] / plain["output_throughput"]
+    compare_passes(passes)
     return passes
+
+
+def compare_passes(passes: list[dict]) -> None:
+    """Each pass against the best explicit mode, by wall tok/s (``vs_best_explicit``) and by steady tok/s
+    (``*_steady``): its throughput's ratio and its p99 TPOT's, and against plain's wall tok/s (``vs_plain``,
+    measured beside ``predicted_speedup``)."""
+    explicit = [p for p in passes if p["mode"] != "auto"]
+    plain = next((p for p in passes if p["mode"] == "plain"), None)
+    for field, suffix in (("output_throughput", ""), ("steady_output_throughput", "_steady")):
+        best = max((p for p in explicit if p.get(field)), key=lambda p: p[field], default=None)
+        if best is None:
+            continue
+        for p in passes:
+            p["best_explicit" + suffix] = best["mode"]
+            p["vs_best_explicit" + suffix] = (p.get(field) or 0.0) / best[field]
+            if best["p99_tpot_ms"] > 0:
+                p["p99_tpot_vs_best" + suffix] = p["p99_tpot_ms"] / best["p99_tpot_ms"]
+    for p in passes:
+        if plain is not None and plain["output_throughput"] > 0:
+            p["vs_plain"] = p["output_throughput"] / plain["output_throughput"]
 
 
 def run_serve(args) -> dict:
@@ -386,7 +424,9 @@ def run_serve(args) -> dict:
     if getattr(args, "interleave", False):
         passes = asyncio.run(run_interleaved(args, model))
         for p in passes:
-            tqdm.write(f"{p['mode']:10s} tput {p['output_throughput']:.1f} tok/s  TTFT p50/p99 "
+            tqdm.write(f"{p['mode']:10s} tput {p['output_throughput']:.1f} tok/s "
+                       f"(steady {p['steady_output_throughput'] or 0:.1f}, "
+                       f"x{p.get('vs_best_explicit_steady', 0):.2f} of the best explicit)  TTFT p50/p99 "
                        f"{p['median_ttft_ms']:.0f}/{p['p99_ttft_ms']:.0f} ms  TPOT p50/p99 "
                        f"{p['median_tpot_ms']:.1f}/{p['p99_tpot_ms']:.1f} ms  "
                        f"x{p.get('vs_best_explicit', 0):.2f} of the best explicit  mean K {p['mean_k']:.2f}  "
@@ -412,17 +452,21 @@ def run_serve(args) -> dict:
 
 def serve_markdown(data: dict) -> str:
     lines = ["# Serving benchmark", "", f"Config: {data['config']}", "",
-             "| mode | rate | concurrency | tok/s | vs best explicit | vs plain: predicted / measured | "
+             "| mode | rate | concurrency | tok/s | vs best explicit | steady tok/s | vs best explicit, steady "
+             "(its p99 TPOT's) | vs plain: predicted / measured | "
              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
              "TPOT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | acceptance | mean K | K=0 steps | "
              "routes | errors |",
-             "|---" * 19 + "|"]
+             "|---" * 21 + "|"]
     for p in data["passes"]:
         vs = f"{p['vs_best_explicit']:.2f}" if "vs_best_explicit" in p else ""
+        steady = f"{p['steady_output_throughput']:.1f}" if p.get("steady_output_throughput") else "-"
+        vs_steady = (f"{p['vs_best_explicit_steady']:.2f} ({p.get('p99_tpot_vs_best_steady', 0):.2f})"
+                     if "vs_best_explicit_steady" in p else "")
         measured = f"{p['vs_plain']:.2f}" if "vs_plain" in p else "-"
         lines.append(
-            f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['output_throughput']:.1f} | {vs} | "
-            f"{p.get('predicted_speedup', 1.0):.2f} / {measured} | "
+            f"| {p['mode']} | {p['rate']} | {p['concurrency']} | {p['output_throughput']:.1f} | {vs} | {steady} | "
+            f"{vs_steady} | {p.get('predicted_speedup', 1.0):.2f} / {measured} | "
             f"{p['median_ttft_ms']:.0f} | {p['p99_ttft_ms']:.0f} | {p['median_tpot_ms']:.1f} | "
             f"{p['p99_tpot_ms']:.1f} | {p['median_itl_ms']:.1f} | {p['p99_itl_ms']:.1f} | "
             f"{p['median_e2el_ms']:.0f} | {p['p99_e2el_ms']:.0f} | {p['acceptance_rate']:.2f} | "
@@ -430,7 +474,7 @@ def serve_markdown(data: dict) -> str:
         )
     for p in data["passes"]:
         for name, q in p.get("by_profile", {}).items():
-            lines.append(f"| {p['mode']}: {name} | | | | | | | | {q['median_tpot_ms']:.1f} | {q['p99_tpot_ms']:.1f} "
+            lines.append(f"| {p['mode']}: {name} |" + " |" * 9 + f" {q['median_tpot_ms']:.1f} | {q['p99_tpot_ms']:.1f} "
                          f"| | | | | {q['acceptance_rate']:.2f} | | | {q['routes']} | |")
     tails = [p for p in data["passes"] if p.get("tpot_tail")]
     if tails:

@@ -305,3 +305,45 @@ def test_an_interleaved_round_holds_four_requests_per_client_unless_told():
     assert round_size(Namespace(requests=384, concurrency=16, round_requests=None)) == 64
     assert round_size(Namespace(requests=384, concurrency=16, round_requests=16)) == 16
     assert round_size(Namespace(requests=8, concurrency=4)) == 8
+
+
+def test_a_closed_loop_counts_as_steady_only_the_requests_that_finished_at_full_load(monkeypatch):
+    """Two clients, one of them slow: once the fast one finds the queue empty, the slow one's request runs
+    alone (the drain). Steady tok/s is the concurrency x tokens / latency of the requests before that, not
+    the wall's, which the drain stretches."""
+    import asyncio
+    from argparse import Namespace
+
+    from specdec_bench import load
+
+    durations = {0: 0.30, 1: 0.05, 2: 0.05, 3: 0.05, 4: 0.05, 5: 0.05}  # request 0 outlasts the queue
+
+    async def fake_request(client, model, traffic, i, args, speculation):
+        await asyncio.sleep(durations[i])
+        return {"tokens": 10, "latency": durations[i]}
+
+    monkeypatch.setattr(load, "traffic_request", fake_request)
+    args = Namespace(concurrency=2)
+    results = asyncio.run(load.closed_loop(None, "m", None, range(6), args, None))
+    full = sorted(r["latency"] for r in results if r["full_load"])
+    assert full == [0.05] * 5  # the fast client's five; the slow request ended in the drain
+    assert load.steady_throughput(results, 2) == pytest.approx(2 * 50 / 0.25)
+    # every request in the drain (a load of one request per client): all of them count
+    assert load.steady_throughput([{"tokens": 10, "latency": 0.5, "full_load": False}] * 2, 2) == pytest.approx(40)
+    assert load.steady_throughput(results, None) is None  # an open loop has no concurrency to hold
+
+
+def test_passes_are_compared_with_the_best_explicit_mode_by_wall_and_by_steady_throughput():
+    from specdec_bench.load import compare_passes
+
+    passes = [{"mode": "auto", "output_throughput": 103.0, "steady_output_throughput": 110.0, "p99_tpot_ms": 130.0},
+              {"mode": "plain", "output_throughput": 100.0, "steady_output_throughput": 100.0, "p99_tpot_ms": 95.0},
+              {"mode": "colocated", "output_throughput": 98.0, "steady_output_throughput": 105.0,
+               "p99_tpot_ms": 140.0}]
+    compare_passes(passes)
+    auto = passes[0]
+    assert auto["best_explicit"] == "plain" and auto["vs_best_explicit"] == pytest.approx(1.03)
+    assert auto["p99_tpot_vs_best"] == pytest.approx(130 / 95)
+    assert auto["best_explicit_steady"] == "colocated" and auto["vs_best_explicit_steady"] == pytest.approx(110 / 105)
+    assert auto["p99_tpot_vs_best_steady"] == pytest.approx(130 / 140)
+    assert auto["vs_plain"] == pytest.approx(1.03)

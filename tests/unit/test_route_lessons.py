@@ -254,3 +254,39 @@ def test_on_shared_cores_a_request_beside_another_pools_rows_teaches_no_drift():
         assert (3 in drift) == learnt, (shared, beside, drift)
         if learnt:
             assert drift[3]["plain"] == pytest.approx(1.5) and drift[3]["plain_steps"] == 5
+
+
+def test_the_router_prices_the_whole_request_with_what_each_pools_requests_waited_for():
+    """At batch 4 a co-located decode is 1.10x plain's. Plain requests there then measure a 0.5 s TTFT and no
+    waits for other requests' prefills; co-located ones 0.25 s and 0.3 s of others' prefills per second of
+    their own steps. Once both pools have ``WAITS_MIN_REQUESTS`` of them, the whole request is priced slower
+    co-located and goes plain; ``/v1/regimes`` shows the lessons."""
+    from deployments.route_state import WAITS_MIN_REQUESTS
+
+    st = route_state(costs=synthetic_costs())
+    loads = {**ALL, "colocated": PoolLoad(active=3), "separate": PoolLoad(replicas=0)}
+    before = route(loads, state=st)
+    assert before.pool == "colocated" and before.decision.predicted_speedup == pytest.approx(1.10, abs=0.01)
+
+    def finished(pool: str, ttft_s: float, waits_per_step_s: float, migrated: bool = False) -> None:
+        stats = served_stats(k=0, decode_steps=40)  # no draft tokens: the class's acceptance stays as it is
+        stats.decode_batch_rows, stats.decode_s = 4 * stats.decode_steps, 1.0
+        stats.prefill_wait_s = waits_per_step_s * stats.decode_s
+        st.learn(pool, 4, TrafficClass.of("d", 0.0), stats, 0.0, migrated, ttft_s=ttft_s)
+
+    for _ in range(WAITS_MIN_REQUESTS):
+        finished("colocated", 0.25, 0.3)
+        finished("plain", 0.5, 0.0, migrated=True)  # a migrated request's TTFT holds a re-prefill: not learnt
+    for _ in range(WAITS_MIN_REQUESTS - 1):
+        finished("plain", 0.5, 0.0)
+    assert route(loads, state=st).pool == "colocated"  # plain's side: one request short
+    finished("plain", 0.5, 0.0)
+    after = route(loads, state=st)
+    assert (after.pool, after.decision.regime) == ("plain", "large_batch"), after.decision
+    plain_s = 64 * st.cost_model().plain_time_per_token(4)
+    whole = (0.5 + plain_s) / (0.25 + 1.3 * plain_s / before.decision.predicted_speedup)
+    assert f"predicted speedup {whole:.2f}" in after.decision.reason and whole < 1.0
+    lessons = {w["pool"]: w for w in regimes_map(st, loads)["waits"]}
+    assert lessons["plain"]["requests"] == lessons["colocated"]["requests"] == WAITS_MIN_REQUESTS
+    assert lessons["colocated"]["ttft_s"] == pytest.approx(0.25)
+    assert lessons["colocated"]["prefill_wait_ratio"] == pytest.approx(0.3)

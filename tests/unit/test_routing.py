@@ -284,3 +284,39 @@ def test_the_batches_a_request_may_decode_in_are_priced_by_power_of_two():
     assert load.decode_batches() == ((1, 0.5), (5, pytest.approx(0.5)))  # 4 and 6 at (0.2*4 + 0.3*6) / 0.5
     wide = PoolLoad(joining_shares=tuple((rows, 1 / 16) for rows in range(16)))  # batches 1..16
     assert [b for b, _ in wide.decode_batches()] == [1, 2, 6, 12, 16]
+
+
+def test_a_request_is_priced_over_its_whole_latency_where_both_pools_measured_their_waits():
+    """At batch 21 a K=1 step makes a decode 1.13x faster than plain's. With the TTFT and the prefill waits
+    each pool's requests measured there (in proportion, c=16 on code: plain 1.08 s TTFT for 3.45 s of steps
+    and 1% more in others' prefills; co-located 0.50 s and 34%), the request is no faster: it goes plain."""
+    from autoscaling.routing import RequestWaits
+
+    load = PoolLoad(active=20)
+    decode_only = route(ctx(loads={"colocated": load}, pools=("colocated",)))
+    assert decode_only.pool == "colocated" and decode_only.predicted_speedup == pytest.approx(1.129, abs=0.01)
+    plain_s = 256 * model().plain_time_per_token(load.decode_batch())  # the request's steps, plain
+    plain, colocated = RequestWaits(0.313 * plain_s, 0.01), RequestWaits(0.145 * plain_s, 0.34)
+    d = route(ctx(loads={"colocated": replace(load, waits=(plain, colocated))}, pools=("colocated",)))
+    assert (d.pool, d.regime) == ("plain", "large_batch"), d
+    whole = (0.313 + 1.01) / (0.145 + 1.34 / decode_only.predicted_speedup)
+    assert f"predicted speedup {whole:.2f}" in d.reason and whole < 1.0
+    # the same waits as plain's dilute the decode's gain (Amdahl) and leave the choice as it was
+    same = route(ctx(loads={"colocated": replace(load, waits=(plain, plain))}, pools=("colocated",)))
+    assert same.pool == "colocated" and same.predicted_speedup == pytest.approx(
+        (0.313 + 1.01) / (0.313 + 1.01 / decode_only.predicted_speedup))
+
+
+def test_on_shared_cores_a_load_stays_speculative_on_a_whole_request_price_only_where_it_pays():
+    """Within ``split_margin`` of plain on its decode steps the load stays speculative (adaptive K runs a
+    losing step plain); priced over the whole request with the same price, it leaves for plain: the waits
+    of rows that finish apart are no step adaptive K can undo."""
+    from autoscaling.routing import RequestWaits
+
+    losing = _acceptance_priced(0.97, 1.04)
+    decode_only = _shared(losing, {"colocated": 5})
+    assert route(decode_only).pool == "colocated"
+    same = RequestWaits(0.0, 0.0)  # waits alike: the whole request's price is the steps'
+    home = replace(decode_only.loads["colocated"], waits=(same, same))
+    d = route(replace(decode_only, loads={**decode_only.loads, "colocated": home}))
+    assert d.pool == "plain" and 0.97 < float(d.reason.split()[2]) < 1.04, d

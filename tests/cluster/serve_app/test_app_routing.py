@@ -201,3 +201,5 @@ def test_the_serving_bench_sets_each_modes_prediction_beside_its_measured_speedu
     # the router's price of K=2 on the app's synthetic costs, which is not plain's 1
     assert 0.0 < spec["predicted_speedup"] < 4.0 and abs(spec["predicted_speedup"] - 1.0) > 1e-6
     assert spec["vs_plain"] == pytest.approx(spec["output_throughput"] / passes["plain"]["output_throughput"])
+    # steady tok/s: the concurrency x tokens / latency of the requests that ran at the full load
+    assert all(p["steady_output_throughput"] > 0 and p["best_explicit_steady"] in passes for p in passes.values())
