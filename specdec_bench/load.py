@@ -242,10 +242,11 @@ def steady_throughput(results: list[dict], concurrency: int | None) -> float | N
     """Output tok/s of a closed loop held at its concurrency: by Little's law, N clients that never wait
     between requests complete N / (mean latency) requests a second, so N x (their tokens / their latency),
     over the requests that ran at the full load (``full_load``; all of them if none did). A pass's wall time
-    also holds its drain, where clients that ran out of requests idle until the slowest finishes: a mode
-    whose rows finish at different steps (speculation) drains longer than one whose rows finish together
-    (plain at one output length), and an interleaved run drains once per round. Measured at c=16: auto's
-    wall tok/s 5-7% below this, plain's 0-3% (BENCHMARKS.md, "Steady throughput"). None for an open loop."""
+    also holds its drain, where clients that ran out of requests idle until the slowest finishes, once per
+    round in an interleaved run; and the requests still running in a drain finish faster than the load's,
+    in a batch that shrinks, so over all requests this rate ran 5-7% above the wall's for speculative modes
+    at c >= 4. Over the full-load requests it stayed within 0.3% of the wall's with 16 requests per client a
+    round, 0-4% with 4 (BENCHMARKS.md, "The whole request priced; steady throughput"). None for an open loop."""
     ok = [r for r in results if "error" not in r]
     steady = [r for r in ok if r.get("full_load")] or ok
     latency = sum(r["latency"] for r in steady)
