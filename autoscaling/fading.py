@@ -1,5 +1,6 @@
 """Fading means (and shares of outcomes): a moving average per key that fades toward 0 with a
-half-life since it was last updated, so that what the router learnt of a burst or a load does not outlive it.
+half-life since it was last updated, so that what the router learnt of a burst or a load does not outlive it;
+and moving means that do not fade, for lessons whose 0 would read as a measurement (``MovingMeans``).
 Pure: the clock comes in as an argument, as in the other policies of this package."""
 
 from __future__ import annotations
