@@ -42,10 +42,8 @@ sides are learnt and a calibration that flatters speculation is found out; and w
 speculative topology's served rounds are unmeasured, a share runs there (``topology_probe_route``; not
 on shared cores, where a separate round is a co-located step's forwards plus hops).
 
-Every decision carries a regime label (`classify_regime`) that says why
-speculation does or does not pay for this request, in the vocabulary of
-docs/ARCHITECTURE.md (Facts) and Leviathan et al. 2023 (arXiv 2211.17192): acceptance
-rate a, cost ratio c, Corollary 3.9 (a speedup needs a > c).
+Every decision carries a regime label (``autoscaling/regimes.py``): why speculation does or does not pay
+for this request.
 """
 
 from __future__ import annotations
@@ -55,12 +53,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from autoscaling.regimes import RegimeEvidence, RoutingThresholds, classify_regime
 from specdec_core.acceptance import TrafficClass
 from specdec_core.costmodel import CostModel, KChoice
 from specdec_core.step_planner import budgeted_choice
 
 MODES = ("auto", "speculative", "plain")
 OBJECTIVES = ("latency", "throughput")
+
+
 class Pool(enum.StrEnum):
     """The pools a request can run in (a StrEnum: it is its own name in JSON, metrics and config)."""
 
@@ -72,18 +73,9 @@ class Pool(enum.StrEnum):
 POOLS = tuple(Pool)
 SPEC_TOPOLOGIES = (Pool.COLOCATED, Pool.SEPARATE)
 PLAIN_POOL = Pool.PLAIN
-REGIMES = (
-    "favorable",
-    "high_entropy",
-    "expensive_draft",
-    "domain_mismatch",
-    "large_batch",
-    "orchestration_overhead",
-    "long_context",
-    "prefill_heavy",
-    "no_gain",
-    "unknown",
-)
+
+
+
 
 
 
@@ -175,19 +167,6 @@ class PoolLoad:
 
 
 @dataclass(frozen=True)
-class RoutingThresholds:
-    margin: float = 0.05  # speculate only above 1 + margin predicted speedup
-    split_margin: float = 0.10  # on shared cores, leave the pool that holds the load only for this much more
-    declined_share: float = 0.5  # a pool whose adaptive K ran this share of such requests' steps plain is not sent them
-    high_temperature: float = 0.7
-    low_acceptance: float = 0.5
-    min_evidence: float = 50.0  # judged tokens before a low a is blamed on the traffic
-    expensive_cost_ratio: float = 0.5
-    min_decode_tokens: int = 16
-    prefill_ratio: float = 8.0  # prompt_tokens > prefill_ratio * max_tokens: prefill heavy
-
-
-@dataclass(frozen=True)
 class RoutingContext:
     features: RequestFeatures
     loads: Mapping[str, PoolLoad]  # by pool: "plain", "colocated", "separate"
@@ -216,63 +195,6 @@ class RoutingDecision:
     regime: str
     predicted_speedup: float  # over plain decoding at the batch the request joins
     reason: str
-
-
-@dataclass(frozen=True)
-class RegimeEvidence:
-    """What `classify_regime` looks at; speedups are the best K's, at the batch the request joins."""
-
-    temperature: float
-    prompt_tokens: int
-    max_tokens: int
-    context_limit: int
-    acceptance: float
-    evidence: float
-    cost_ratio: float
-    speedup: float
-    speedup_batch1: float  # same pool, batch 1
-    speedup_no_hop: float  # same pool and batch, hop overhead removed
-    speedup_short_context: float  # same pool and batch, at a short context
-
-
-def classify_regime(ev: RegimeEvidence, th: RoutingThresholds) -> str:
-    """Why speculation does or does not pay; first matching row wins.
-
-    | regime                 | condition                                                   |
-    |------------------------|-------------------------------------------------------------|
-    | prefill_heavy          | max_tokens < min_decode_tokens or prompt > ratio*max_tokens |
-    | long_context           | it pays at this context and not at a short one, or the      |
-    |                        | other way round: the context decided                        |
-    | favorable              | speedup > 1 + margin                                        |
-    | orchestration_overhead | would pay without the topology's hops                       |
-    | large_batch            | would pay at batch 1, not at this batch                     |
-    | high_entropy           | a < low_acceptance, temperature > high_temperature          |
-    | domain_mismatch        | a < low_acceptance at low temperature: draft disagrees      |
-    | expensive_draft        | c >= a (Corollary 3.9) or c >= expensive_cost_ratio         |
-    | no_gain                | none of the above: the numbers (a, c, speedup) say no       |
-
-    ("unknown" is only the label of a request no speculative pool could price.)
-
-    The two low-acceptance rows need `min_evidence` judged tokens, so a prior is
-    never reported as a property of the traffic.
-    """
-    pays = 1.0 + th.margin
-    low_a = ev.acceptance < th.low_acceptance and ev.evidence >= th.min_evidence
-    if ev.max_tokens < th.min_decode_tokens or ev.prompt_tokens > th.prefill_ratio * ev.max_tokens:
-        return "prefill_heavy"
-    if (ev.speedup > pays) != (ev.speedup_short_context > pays):
-        return "long_context"
-    if ev.speedup > pays:
-        return "favorable"
-    if ev.speedup_no_hop > pays:
-        return "orchestration_overhead"
-    if ev.speedup_batch1 > pays:
-        return "large_batch"
-    if low_a:
-        return "high_entropy" if ev.temperature > th.high_temperature else "domain_mismatch"
-    if ev.cost_ratio >= ev.acceptance or ev.cost_ratio >= th.expensive_cost_ratio:
-        return "expensive_draft"
-    return "no_gain"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class Progress:
     """A running request's decode steps so far, by kind. The router learns from it what a pool's adaptive K
-    declines while the request still decodes (``RouteState.learn_declined``), where its last delta's
+    declines while the request still decodes (``LoadLessons.learn_declined``), where its last delta's
     stats come a whole request later."""
 
     plain_steps: int = 0  # decode steps at K=0 (its prefill's pass is not one)

@@ -34,10 +34,11 @@ from ray.serve.handle import DeploymentHandle
 from autoscaling.routing import POOLS, SPEC_TOPOLOGIES, Pool, PoolLoad
 from deployments.channel_executor import ReplicaLost
 from deployments.config import AppConfig
+from deployments.load_lessons import DECLINE_WINDOW_STEPS
 from deployments.messages import Delta, GenerateRequest, Progress, Resume
 from deployments.metrics import RouterMetrics
 from deployments.planning import Execution
-from deployments.route_state import DECLINE_WINDOW_STEPS, RouteState
+from deployments.route_state import RouteState
 from deployments.separate_loop import SeparateLoop
 
 logger = logging.getLogger("ray.serve")
@@ -147,7 +148,7 @@ class Pools:
 
     def _learn_declined(self, run: Execution, window: Progress, since: tuple[float, float]) -> bool:
         """An auto request routed to speculation teaches what its pool's adaptive K ran plain of ``window``'s
-        decode steps (``RouteState.learn_declined``), at the batch they ran in: where the pools share their
+        decode steps (``LoadLessons.learn_declined``), at the batch they ran in: where the pools share their
         cores, the whole load's mean rows since ``since`` (a ``_row_clock`` reading), else its own. Not a
         migrated request: its counts restarted on another replica. Whether it taught."""
         if not (run.plan.params.adaptive_k and run.pool in SPEC_TOPOLOGIES and not run.migrations and window.steps):
@@ -156,7 +157,7 @@ class Pools:
             batch = self._mean_rows(since) / max(1, self.replicas[run.pool])
         else:
             batch = window.batch_rows / window.steps
-        self._route_state.learn_declined(run.pool, batch or run.plan.batch, run.plan.traffic_class, window)
+        self._route_state.lessons.learn_declined(run.pool, batch or run.plan.batch, run.plan.traffic_class, window)
         return True
 
     def _row_clock(self) -> tuple[float, float]:

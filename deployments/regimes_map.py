@@ -60,14 +60,14 @@ def regimes_map(state: RouteState, loads: Mapping[str, PoolLoad]) -> dict:
         # (a pool's ``declined`` is per class: the list below)
         "pools": {p: {k: v for k, v in dataclasses.asdict(load).items() if k not in ("declined", "waits")}
                   for p, load in state.priced_loads(loads).items()},
-        # what each pool's requests waited for besides their own steps, by batch bucket (``RouteState.waits``):
+        # what each pool's requests waited for besides their own steps, by batch bucket (``LoadLessons.waits``):
         # the whole request's price (``routing.whole_request``)
         "waits": [{"pool": pool, "batch_bucket": bucket, "ttft_s": ttft, "prefill_wait_ratio": ratio,
-                   "requests": n} for pool, bucket, ttft, ratio, n in state.waits_lessons()],
+                   "requests": n} for pool, bucket, ttft, ratio, n in state.lessons.waits_lessons()],
         # what the pools' adaptive K declined: share of steps run plain, by pool, batch bucket and class
         "declined": [{"pool": pool, "batch_bucket": bucket, "class": dataclasses.asdict(cls) if cls else None,
                       "share": share, "learnt_s_ago": round(age, 3)}
-                     for pool, bucket, cls, share, age in state.declined_lessons()],
+                     for pool, bucket, cls, share, age in state.lessons.declined_lessons()],
         "shared_compute": state.shared_compute,
         "classes": out,
     }

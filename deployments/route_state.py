@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from autoscaling.exploration import Exploration
-from autoscaling.fading import FadingMeans, FadingShares, MovingMeans
 from autoscaling.probes import scheduled_probe
+from autoscaling.regimes import RoutingThresholds
 from autoscaling.routing import (
     PLAIN_POOL,
     POOLS,
@@ -28,16 +28,14 @@ from autoscaling.routing import (
     Pool,
     PoolLoad,
     RequestFeatures,
-    RequestWaits,
     RoutingContext,
     RoutingDecision,
     RoutingError,
-    RoutingThresholds,
     route,
 )
 from autoscaling.traffic_classes import DomainTable
 from deployments.config import AppConfig, model_label
-from deployments.messages import Progress
+from deployments.load_lessons import LoadLessons
 from specdec_core.acceptance import AcceptanceTracker, TrafficClass
 from specdec_core.adaptive import AdaptiveK
 from specdec_core.cost_view import CostView
@@ -63,26 +61,9 @@ THROUGHPUT_TIERS = ("flex", "batch", "scale")
 SERVED_DRIFT_BOUNDS = (0.5, 4.0)  # served / calibrated step time believed as drift (beyond: another machine's costs)
 SERVED_DRIFT_WEIGHT = 0.2  # per finished request
 SERVED_DRIFT_MIN_REQUESTS = 3  # finished requests on each side of a batch bucket before its drift applies
-# Rows that join a request while it decodes (mean decode batch - joined batch; negative where rows leave), per
-# pool and joined-batch bucket: a moving average over finished requests that fades with this half-life, so
-# that a burst's pricing does not outlive the burst.
-JOINING_WEIGHT = 0.2
-JOINING_HALF_LIFE_S = 30.0
-# What the pools' adaptive K declined (``RouteState.declined``): a moving share of decode steps, learnt from each
-# window of this many decode steps of a request as it decodes (a shorter one, a request's last, counts for its
-# share of a window), faded with this half-life so that a batch whose speculation the engine declined is offered
-# it again once the lesson is old
-DECLINED_WEIGHT = 0.2
-DECLINE_WINDOW_STEPS = 16
-DECLINED_HALF_LIFE_S = 60.0
 # On shared cores, a request teaches the served drift only where other pools held at most this share of the rows
 # while it ran (``RouteState._ran_alone``).
 ALONE_SHARE = 0.1
-# What a pool's requests waited for besides their own steps (``RouteState.waits``), per pool and batch bucket:
-# moving means over finished requests that do not fade (a faded TTFT would read as a short one), believed
-# from this many requests on
-WAITS_WEIGHT = 0.1
-WAITS_MIN_REQUESTS = 3
 
 
 def objective_of(requested: str | None, service_tier: str | None) -> str:
@@ -143,12 +124,8 @@ class RouteState:
         self.clock = clock
         # co-located replicas plan every step for the batch (config budgeted_verification): priced so
         self.budgeted = frozenset({Pool.COLOCATED}) if budgeted else frozenset()
-        # the pools' engines share their cores (AppConfig.pools_share_compute_on): priced at the whole load
-        self.shared_compute = shared_compute
         self._separate_adaptive: AdaptiveK | None = None
-        self._joining = FadingShares(JOINING_WEIGHT, JOINING_HALF_LIFE_S, clock)  # (pool, joined bucket) -> rows
-        self._declined = FadingMeans(DECLINED_WEIGHT, DECLINED_HALF_LIFE_S, clock)  # (pool, bucket, class) -> share
-        self._waits = MovingMeans(WAITS_WEIGHT)  # (pool, bucket, "ttft_s" | "prefill_wait_ratio") -> mean
+        self.lessons = LoadLessons(shared_compute, clock)  # rows joining, steps declined, waits: per pool and batch
         self.set_costs(PRIOR_COSTS)
 
     @classmethod
@@ -183,6 +160,11 @@ class RouteState:
         if self._separate_adaptive is not None:
             self._separate_adaptive.view = self.view
             self._separate_adaptive.adopt_drift(self.drift)
+
+    @property
+    def shared_compute(self) -> bool:
+        """The pools' engines share their cores (``AppConfig.pools_share_compute_on``): priced at the whole load."""
+        return self.lessons.shared_compute
 
     @property
     def drift(self) -> StepDrift:
@@ -231,8 +213,8 @@ class RouteState:
     def context(self, features: RequestFeatures, loads: Mapping[str, PoolLoad]) -> RoutingContext:
         cls = features.traffic_class
         spec = [t for t in SPEC_TOPOLOGIES if t in loads]
-        loads = {p: dataclasses.replace(load, declined=self.declined(p, load.decode_batch(), cls),
-                                        waits=self.waits_beside_plain(p, load.decode_batch())) if p in spec
+        loads = {p: dataclasses.replace(load, declined=self.lessons.declined(p, load.decode_batch(), cls),
+                                        waits=self.lessons.waits_beside_plain(p, load.decode_batch())) if p in spec
                  else load for p, load in loads.items()}
         return RoutingContext(
             features=features,
@@ -276,89 +258,10 @@ class RouteState:
                   for p, load in loads.items()}
         priced = {}
         for p, load in shared.items():
-            shares = self.joining_shares(p, load.whole_batch())
+            shares = self.lessons.joining_shares(p, load.whole_batch())
             priced[p] = dataclasses.replace(load, joining=sum(rows * share for rows, share in shares),
                                             joining_shares=shares)
         return priced
-
-    def joining(self, pool: str, joined: int) -> float:
-        """Rows that joined ``pool``'s recent requests that joined at a batch like ``joined`` while they
-        decoded (negative: rows left), faded since it was learnt. On shared cores the rows are the whole
-        load's, and so is the lesson: one for every pool, so that no pool looks emptier than another
-        for where its requests happened to join."""
-        return self._joining.mean(self._joining_key(pool, joined))
-
-    def joining_shares(self, pool: str, joined: int) -> tuple[tuple[int, float], ...]:
-        """What ``joining`` averages: (rows that joined, share of the recent requests that saw as many).
-        A request that opens a burst sees the burst's rows join it, one that ends a drain sees none, and
-        the two join at the same batch; priced at their mean, the first request of a c=4 burst went where
-        a lone request is fastest (the separate pool, at batch 2) and the burst split over two pools on the
-        same cores (auto 0.92x co-located)."""
-        return tuple(sorted(self._joining.shares(self._joining_key(pool, joined)).items()))
-
-    def _joining_key(self, pool: str, joined: int) -> tuple[str, int]:
-        return ("whole" if self.shared_compute else pool), self.drift.bucket(joined)
-
-    def _learn_joining(self, pool: str, joined: int, decoded: float) -> None:
-        self._joining.update(self._joining_key(pool, joined), decoded - joined)
-
-    def declined(self, pool: str, batch: float, cls: TrafficClass | None) -> float:
-        """Share of their decode steps that ``pool``'s adaptive K ran plain for the recent auto requests of
-        ``cls`` that decoded at a batch like ``batch`` (the whole load's, on shared cores), faded since.
-
-        On shared cores both speculative pools run their drafts and verifies on the same cores, so what
-        one measured losing, the other's steps would lose too. A pool without a lesson of its own there
-        takes the other's; and the co-located pool's verdict binds the separate pool even where that has
-        its own: its rounds are the same forwards plus hops, and its overlap hides the draft behind the
-        verify only on a core that is free, which a load of several rows does not leave. Without the
-        first, the separate pool was the option left once co-located was declined and took 12-17% of
-        auto's requests (tiny family, T=1, c=8-16) to learn its own lesson; without the second, it kept
-        taking them on a lesson of 0.33 learnt beside the load (25% of auto's requests, T=0, c=8, where
-        co-located had declined 57% of its steps and auto measured 0.86x plain)."""
-        lessons = {p: self._declined.get(key) for p in SPEC_TOPOLOGIES
-                   if (key := (p, self.drift.bucket(batch), cls)) in self._declined}
-        if not self.shared_compute or pool in lessons and pool != Pool.SEPARATE:
-            return lessons.get(pool, 0.0)
-        return max(lessons.values(), default=0.0)
-
-    def learn_declined(self, pool: str, batch: float, cls: TrafficClass, window: Progress) -> None:
-        """An auto request routed to speculation ran ``window``'s decode steps at a batch like ``batch`` (the
-        whole load's, on shared cores): the share its pool's adaptive K ran plain, worth its share of
-        ``DECLINE_WINDOW_STEPS``. The engine chose them from its measured step times (the regret guard:
-        speculative steps against its own plain ones, on the cores as they are now), which the router's prices
-        only model: on the tiny family at batch 8 the router priced K=2-3 at 1.07-1.15x plain, its requests ran
-        63-91% of their steps plain there, and measured 0.84-0.95x of the plain pool. Learnt as requests
-        decode, not once they finish: a burst's requests are routed while the first of them still decode, and
-        at c=8 (T=0, 48 tokens) 16 of them followed the first into a pool that ran 82% of their steps plain."""
-        if window.steps:
-            self._declined.update((pool, self.drift.bucket(batch), cls), window.plain_steps / window.steps,
-                                  min(1.0, window.steps / DECLINE_WINDOW_STEPS))
-
-    def waits(self, pool: str, batch: float) -> RequestWaits | None:
-        """What ``pool``'s finished requests that decoded at a batch like ``batch`` (the whole load's, on shared
-        cores) waited for besides their own steps (None: fewer than ``WAITS_MIN_REQUESTS`` measured it)."""
-        key = (pool, self.drift.bucket(batch))
-        if self._waits.count((*key, "ttft_s")) < WAITS_MIN_REQUESTS:
-            return None
-        return RequestWaits(self._waits.get((*key, "ttft_s")), self._waits.get((*key, "prefill_wait_ratio")))
-
-    def waits_beside_plain(self, pool: str, batch: float) -> tuple[RequestWaits, RequestWaits] | None:
-        """(the plain pool's, ``pool``'s) ``waits`` at ``batch``; None unless both are measured."""
-        plain, own = self.waits(PLAIN_POOL, batch), self.waits(pool, batch)
-        return None if plain is None or own is None else (plain, own)
-
-    def waits_lessons(self) -> list[tuple[str, int, float, float, int]]:
-        """The ``waits`` learnt: (pool, batch bucket, TTFT seconds, prefill waits per second of own steps,
-        requests), for ``/v1/regimes``."""
-        keys = sorted({key[:2] for key in self._waits})
-        return [(pool, bucket, self._waits.get((pool, bucket, "ttft_s")),
-                 self._waits.get((pool, bucket, "prefill_wait_ratio")), self._waits.count((pool, bucket, "ttft_s")))
-                for pool, bucket in keys]
-
-    def _learn_waits(self, pool: str, batch: float, ttft_s: float, stats: RequestStats) -> None:
-        key = (pool, self.drift.bucket(batch))
-        self._waits.update((*key, "ttft_s"), ttft_s)
-        self._waits.update((*key, "prefill_wait_ratio"), stats.prefill_wait_s / stats.decode_s)
 
     def _measured(self, batch: int, kind: str) -> tuple[int, bool]:
         """The drift bucket of ``batch`` and whether served steps of ``kind`` (a pool) are measured there."""
@@ -378,12 +281,12 @@ class RouteState:
         shared = self.shared_compute and whole_load is not None and whole_load[1]
         if not migrated:
             if shared:
-                self._learn_joining(pool, *whole_load)
+                self.lessons.learn_joining(pool, *whole_load)
             elif not self.shared_compute and stats.mean_decode_batch:
-                self._learn_joining(pool, batch, stats.mean_decode_batch)
+                self.lessons.learn_joining(pool, batch, stats.mean_decode_batch)
         alone = not migrated and self._ran_alone(stats, whole_load)
         if alone and ttft_s is not None and stats.decode_s > 0:
-            self._learn_waits(pool, whole_load[1] if shared else stats.mean_decode_batch or batch, ttft_s, stats)
+            self.lessons.learn_waits(pool, whole_load[1] if shared else stats.mean_decode_batch or batch, ttft_s, stats)
         if seconds_per_token and alone:
             self.observe_timing(pool, stats.mean_decode_batch or batch, stats, seconds_per_token, cls)
         if stats.proposed:
@@ -452,15 +355,3 @@ class RouteState:
         if seconds_per_token <= 0:
             return None
         return self.cost_model().plain_time_per_token(batch) / seconds_per_token
-
-    def declined_lessons(self) -> list[tuple[str, int, TrafficClass | None, float, float]]:
-        """What the pools' adaptive K declined, as routing reads it: (pool, batch bucket, class, share of
-        steps run plain, seconds since a request last taught it); the lessons under 1% left out unless taught
-        within a half-life (a pool that ran its requests' steps speculative is news too)."""
-        lessons = []
-        for key in self._declined:
-            pool, bucket, cls = key
-            share, age = self.declined(pool, 2 ** bucket, cls), self._declined.age(key)
-            if share >= 0.01 or age < DECLINED_HALF_LIFE_S:
-                lessons.append((pool, bucket, cls, share, age))
-        return lessons

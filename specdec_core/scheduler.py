@@ -222,7 +222,7 @@ class Scheduler:
                             batch_ks: list[int], ks: list[int], now: float) -> None:
         """What set each adaptive row's K to 0 this step (``RequestStats.plain_by_cause``): its own price,
         the batch's, the regret guard's reference step, or its guard having stopped it. The replica's
-        decline is what the router learns (``RouteState.declined``); this says which part of it declined."""
+        decline is what the router learns (``LoadLessons.declined``); this says which part of it declined."""
         for req, on, first, after_batch, k in zip(rows, adaptive, chosen, batch_ks, ks):
             if not on or k or req.params.num_speculative_tokens == 0:
                 continue

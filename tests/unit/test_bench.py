@@ -246,7 +246,7 @@ def test_served_peers_summary_is_the_median_over_repeats_against_vllms_best(tmp_
 
 
 def test_a_pass_predicted_speedup_is_its_tokens_over_their_predicted_plain_time():
-    from specdec_bench.load import predicted_speedup
+    from specdec_bench.pass_summary import predicted_speedup
 
     # 40 tokens predicted 2x faster than plain (20 tokens' worth of plain time) and 10 plain tokens:
     # 50 tokens in 30 tokens' plain time, not the mean of 2.0 and 1.0
@@ -256,7 +256,7 @@ def test_a_pass_predicted_speedup_is_its_tokens_over_their_predicted_plain_time(
 
 
 def test_the_tpot_tail_says_whether_the_slowest_requests_waited_for_prefills_or_stepped_slowly():
-    from specdec_bench.load import tpot_tail
+    from specdec_bench.pass_summary import tpot_tail
 
     def req(tpot, decode_s, waits, accepted, proposed):  # 49 tokens: 48 after the first, 0.1 s to it
         return {"tokens": 49, "tpot": tpot, "ttft": 0.1, "latency": 0.1 + 48 * tpot, "decode_s": decode_s,
@@ -315,6 +315,7 @@ def test_a_closed_loop_counts_as_steady_only_the_requests_that_finished_at_full_
     from argparse import Namespace
 
     from specdec_bench import load
+    from specdec_bench.pass_summary import steady_throughput
 
     durations = {0: 0.30, 1: 0.05, 2: 0.05, 3: 0.05, 4: 0.05, 5: 0.05}  # request 0 outlasts the queue
 
@@ -327,14 +328,14 @@ def test_a_closed_loop_counts_as_steady_only_the_requests_that_finished_at_full_
     results = asyncio.run(load.closed_loop(None, "m", None, range(6), args, None))
     full = sorted(r["latency"] for r in results if r["full_load"])
     assert full == [0.05] * 5  # the fast client's five; the slow request ended in the drain
-    assert load.steady_throughput(results, 2) == pytest.approx(2 * 50 / 0.25)
+    assert steady_throughput(results, 2) == pytest.approx(2 * 50 / 0.25)
     # every request in the drain (a load of one request per client): all of them count
-    assert load.steady_throughput([{"tokens": 10, "latency": 0.5, "full_load": False}] * 2, 2) == pytest.approx(40)
-    assert load.steady_throughput(results, None) is None  # an open loop has no concurrency to hold
+    assert steady_throughput([{"tokens": 10, "latency": 0.5, "full_load": False}] * 2, 2) == pytest.approx(40)
+    assert steady_throughput(results, None) is None  # an open loop has no concurrency to hold
 
 
 def test_passes_are_compared_with_the_best_explicit_mode_by_wall_and_by_steady_throughput():
-    from specdec_bench.load import compare_passes
+    from specdec_bench.pass_summary import compare_passes
 
     passes = [{"mode": "auto", "output_throughput": 103.0, "steady_output_throughput": 110.0, "p99_tpot_ms": 130.0},
               {"mode": "plain", "output_throughput": 100.0, "steady_output_throughput": 100.0, "p99_tpot_ms": 95.0},

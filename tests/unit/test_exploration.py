@@ -42,10 +42,11 @@ def _costs() -> StepCosts:
                      tuple(0.003 for _ in batches), source="synthetic")
 
 
-def _state(now: list[float]) -> RouteState:
+def _state(now: list[float], shared_compute: bool = False) -> RouteState:
     tracker = AcceptanceTracker(prior_mean=0.8, prior_weight=20, half_life_s=60.0, clock=lambda: now[0])
     st = RouteState("d", tracker, k_max=8, default_k=4, context_limit=512, domains=DomainTable(promote_after=1),
-                    exploration=Exploration(share=0.05, min_interval_s=1.0), clock=lambda: now[0])
+                    exploration=Exploration(share=0.05, min_interval_s=1.0), clock=lambda: now[0],
+                    shared_compute=shared_compute)
     st.set_costs(_costs(), "test")
     return st
 
@@ -133,8 +134,7 @@ def test_on_shared_cores_cost_probes_run_only_where_they_would_decode_alone():
     would measure nothing and recur forever: with rows decoding in the co-located pool none runs plain;
     with the load in the plain pool itself (where a probe decodes alone) the probes run as before."""
     now = [0.0]
-    st = _state(now)
-    st.shared_compute = True
+    st = _state(now, shared_compute=True)
     beside = {"plain": PoolLoad(), "colocated": PoolLoad(active=1)}
     assert not any(_request(st, beside).probe for _ in range(20))
     probes = [r for r in (_request(st) for _ in range(20)) if r.probe]
@@ -146,11 +146,10 @@ def test_on_shared_cores_no_cost_probe_joins_an_idle_load_that_others_will_join(
     that seven more join such a request while it decodes; a probe sent elsewhere would decode beside them
     and teach nothing, so none runs, burst after burst; once the bursts are over, the probes run again."""
     now = [0.0]
-    st = _state(now)
-    st.shared_compute = True
+    st = _state(now, shared_compute=True)
     for _ in range(10):
         st.learn("plain", 1, CLS, RequestStats(plain_steps=9), 0.0, migrated=False, whole_load=(1, 8.0))
-    assert st.joining("plain", 1) > 6
+    assert st.lessons.joining("plain", 1) > 6
     assert not any(_request(st).probe for _ in range(20))
     now[0] += 300.0  # the lesson of the bursts has faded
     assert sum(_request(st).probe for _ in range(20)) == 4
@@ -192,8 +191,7 @@ def test_on_shared_cores_the_other_topology_is_not_probed():
     served at concurrency 1, its probes ran at 2.6x co-located's time per token and cost auto 9% of a
     32-request run. With the load's cores shared, the auto requests that go co-located all stay there."""
     now = [0.0]
-    st = _state(now)
-    st.shared_compute = True
+    st = _state(now, shared_compute=True)
     loads = {"plain": PoolLoad(), "colocated": PoolLoad(), "separate": PoolLoad()}
     cm = st.cost_model()
     for _ in range(3):

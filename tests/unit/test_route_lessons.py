@@ -1,4 +1,5 @@
-"""What the router's state learns from served requests (``deployments/route_state.py``): the served drift
+"""What the router's state learns from served requests (``deployments/route_state.py``,
+``deployments/load_lessons.py``): the served drift
 from their step times, at the batch they decoded in; the rows that join a request while it decodes; what
 the pools' adaptive K declined, window by window as requests decode; and how each lesson moves routing."""
 
@@ -70,8 +71,9 @@ def test_a_pool_whose_adaptive_k_ran_a_class_plain_is_not_sent_more_of_it_until_
     assert route(idle, state=st).pool == "colocated"
     declined = served_stats(k=3, decode_steps=4, plain_decode=30)
     for _ in range(5):
-        st.learn_declined("colocated", 1, TrafficClass.of("d", 0.0), Progress.of(declined))
-    assert st.declined("colocated", 1, TrafficClass.of("d", 0.0)) == pytest.approx(0.88 * (1 - 0.8 ** 5), abs=0.01)
+        st.lessons.learn_declined("colocated", 1, TrafficClass.of("d", 0.0), Progress.of(declined))
+    assert st.lessons.declined("colocated", 1, TrafficClass.of("d", 0.0)) == pytest.approx(0.88 * (1 - 0.8 ** 5),
+                                                                                        abs=0.01)
     r = route(idle, state=st)
     assert r.pool == "plain" and "adaptive K ran such requests plain" in r.decision.reason, r.decision
     (lesson,) = regimes_map(st, idle)["declined"]
@@ -91,14 +93,14 @@ def test_a_decline_is_learnt_window_by_window_each_worth_its_share_of_a_window()
     window = Progress(plain_steps=14, verify_steps=2, batch_rows=16)
     for n in range(1, 5):
         assert route(idle, state=st).pool == "colocated"
-        st.learn_declined("colocated", 1, cls, window)
-        assert st.declined("colocated", 1, cls) == pytest.approx(14 / 16 * (1 - 0.8 ** n))
+        st.lessons.learn_declined("colocated", 1, cls, window)
+        assert st.lessons.declined("colocated", 1, cls) == pytest.approx(14 / 16 * (1 - 0.8 ** n))
     assert route(idle, state=st).pool == "plain"
     other = TrafficClass.of("d", 1.0)
-    st.learn_declined("colocated", 1, other, Progress(plain_steps=4, verify_steps=0, batch_rows=4))
-    assert st.declined("colocated", 1, other) == pytest.approx(0.2 * 4 / 16)
-    st.learn_declined("colocated", 1, other, Progress())  # no decode step: nothing learnt
-    assert st.declined("colocated", 1, other) == pytest.approx(0.2 * 4 / 16)
+    st.lessons.learn_declined("colocated", 1, other, Progress(plain_steps=4, verify_steps=0, batch_rows=4))
+    assert st.lessons.declined("colocated", 1, other) == pytest.approx(0.2 * 4 / 16)
+    st.lessons.learn_declined("colocated", 1, other, Progress())  # no decode step: nothing learnt
+    assert st.lessons.declined("colocated", 1, other) == pytest.approx(0.2 * 4 / 16)
 
 
 def test_on_shared_cores_a_pools_decline_stands_for_the_other_and_co_located_binds_separate():
@@ -111,23 +113,24 @@ def test_on_shared_cores_a_pools_decline_stands_for_the_other_and_co_located_bin
     for shared in (False, True):
         st = route_state(costs=synthetic_costs(), shared_compute=shared)
         for _ in range(5):
-            st.learn_declined("colocated", 1, cls, Progress.of(declined))
+            st.lessons.learn_declined("colocated", 1, cls, Progress.of(declined))
         r = route(pools, state=st)
         if not shared:
             assert r.pool == "separate", r.decision
             continue
-        assert r.pool == "plain" and st.declined("separate", 1, cls) == st.declined("colocated", 1, cls), r.decision
+        assert r.pool == "plain", r.decision
+        assert st.lessons.declined("separate", 1, cls) == st.lessons.declined("colocated", 1, cls)
         assert route(pools, state=st, temperature=1.0).pool != "plain"  # another class: no lesson
         for _ in range(5):  # a lesson of its own, that its adaptive K kept speculating, does not lift it:
-            st.learn_declined("separate", 1, cls, Progress.of(served_stats(k=2, decode_steps=20)))
+            st.lessons.learn_declined("separate", 1, cls, Progress.of(served_stats(k=2, decode_steps=20)))
         assert route(pools, state=st).pool == "plain"  # its rounds are the co-located pool's forwards plus hops
         other = TrafficClass.of("d", 1.0)
         for _ in range(5):  # the other way round, the separate pool's verdict stands only while co-located has none
-            st.learn_declined("separate", 1, other, Progress.of(declined))
-        assert st.declined("colocated", 1, other) == st.declined("separate", 1, other) >= 0.5
+            st.lessons.learn_declined("separate", 1, other, Progress.of(declined))
+        assert st.lessons.declined("colocated", 1, other) == st.lessons.declined("separate", 1, other) >= 0.5
         for _ in range(5):
-            st.learn_declined("colocated", 1, other, Progress.of(served_stats(k=2, decode_steps=20)))
-        assert st.declined("colocated", 1, other) < 0.5 <= st.declined("separate", 1, other)
+            st.lessons.learn_declined("colocated", 1, other, Progress.of(served_stats(k=2, decode_steps=20)))
+        assert st.lessons.declined("colocated", 1, other) < 0.5 <= st.lessons.declined("separate", 1, other)
         assert route(pools, state=st, temperature=1.0).pool == "colocated"
 
 
@@ -180,13 +183,13 @@ def test_a_request_is_priced_at_the_batch_it_will_decode_in():
     burst.decode_steps, burst.decode_batch_rows = 12, 12 * 8  # joined at batch 1, decoded at batch 8
     for _ in range(10):
         st.learn("colocated", 1, TrafficClass.of("d", 0.0), burst, 0.0, migrated=False)
-    assert st.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
-    assert st.joining("colocated", 8) == 0.0  # learnt for requests that joined at batch 1
-    assert regimes_map(st, idle)["pools"]["colocated"]["joining"] == pytest.approx(st.joining("colocated", 1))
+    assert st.lessons.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
+    assert st.lessons.joining("colocated", 8) == 0.0  # learnt for requests that joined at batch 1
+    assert regimes_map(st, idle)["pools"]["colocated"]["joining"] == pytest.approx(st.lessons.joining("colocated", 1))
     r = route(idle, state=st)
     assert r.pool == "plain" and "batch 7" in r.decision.reason, r.decision  # priced where it would decode
     now[0] += 120.0  # four half-lives without a finished request: back to the batch it joins
-    assert st.joining("colocated", 1) < 0.5 and route(idle, state=st).pool == "colocated"
+    assert st.lessons.joining("colocated", 1) < 0.5 and route(idle, state=st).pool == "colocated"
 
 
 def test_the_router_keeps_how_many_rows_joined_each_request_not_only_their_mean():
@@ -201,16 +204,16 @@ def test_the_router_keeps_how_many_rows_joined_each_request_not_only_their_mean(
     cls = TrafficClass.of("d", 0.0)
     for whole in (8.0, 1.0, 8.0, 1.0, 3.5):  # burst, drain, burst, drain, a ramp
         st.learn("colocated", 1, cls, alone, 0.0, migrated=False, whole_load=(1, whole))
-    shares = dict(st.joining_shares("colocated", 1))
+    shares = dict(st.lessons.joining_shares("colocated", 1))
     assert set(shares) == {0, 2, 3, 7}, shares
     assert shares[2] == pytest.approx(0.5 * 0.2) and shares[3] == pytest.approx(0.5 * 0.2)
     assert shares[7] > shares[3] and sum(shares.values()) == pytest.approx(1.0)
-    assert st.joining("colocated", 1) == pytest.approx(sum(r * s for r, s in shares.items()))
+    assert st.lessons.joining("colocated", 1) == pytest.approx(sum(r * s for r, s in shares.items()))
     loads = st.priced_loads({"plain": PoolLoad(), "colocated": PoolLoad()})
     assert dict(loads["plain"].joining_shares) == pytest.approx(shares)  # the whole load's: every pool
     assert dict(loads["colocated"].decode_batches()) == pytest.approx({1 + r: s for r, s in shares.items()})
     now[0] += 30.0  # one half-life
-    faded = dict(st.joining_shares("colocated", 1))
+    faded = dict(st.lessons.joining_shares("colocated", 1))
     assert faded[7] == pytest.approx(shares[7] / 2) and faded[0] == pytest.approx(1 - sum(shares.values()) / 2
                                                                                 + shares[0] / 2)
 
@@ -228,8 +231,9 @@ def test_on_shared_cores_the_rows_that_join_a_request_are_the_whole_loads():
     alone.decode_steps, alone.decode_batch_rows = 12, 12  # its own pool: batch 1 throughout
     for _ in range(10):
         st.learn("colocated", 1, TrafficClass.of("d", 0.0), alone, 0.0, migrated=False, whole_load=(1, 8.0))
-    assert st.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
-    assert st.joining("separate", 1) == pytest.approx(st.joining("colocated", 1))  # the whole load: every pool
+    assert st.lessons.joining("colocated", 1) == pytest.approx(7 * (1 - 0.8 ** 10))
+    # the whole load's: one lesson for every pool
+    assert st.lessons.joining("separate", 1) == pytest.approx(st.lessons.joining("colocated", 1))
     r = route(idle, state=st)
     assert r.pool == "plain" and r.decision.regime == "large_batch", r.decision
 
@@ -261,7 +265,7 @@ def test_the_router_prices_the_whole_request_with_what_each_pools_requests_waite
     waits for other requests' prefills; co-located ones 0.25 s and 0.3 s of others' prefills per second of
     their own steps. Once both pools have ``WAITS_MIN_REQUESTS`` of them, the whole request is priced slower
     co-located and goes plain; ``/v1/regimes`` shows the lessons."""
-    from deployments.route_state import WAITS_MIN_REQUESTS
+    from deployments.load_lessons import WAITS_MIN_REQUESTS
 
     st = route_state(costs=synthetic_costs())
     loads = {**ALL, "colocated": PoolLoad(active=3), "separate": PoolLoad(replicas=0)}
@@ -290,3 +294,4 @@ def test_the_router_prices_the_whole_request_with_what_each_pools_requests_waite
     assert lessons["plain"]["requests"] == lessons["colocated"]["requests"] == WAITS_MIN_REQUESTS
     assert lessons["colocated"]["ttft_s"] == pytest.approx(0.25)
     assert lessons["colocated"]["prefill_wait_ratio"] == pytest.approx(0.3)
+
