@@ -53,6 +53,9 @@ def speculation(run: Execution, stats: RequestStats, costs_source: str) -> dict:
         "decode_steps": stats.decode_steps,
         # of its decode time by the clock, the other requests' prefills its engine ran while it decoded
         "prefill_wait_s": stats.prefill_wait_s,
+        # from its arrival in the engine to its first token (its prefill, queueing included), by the engine's
+        # clock: a client's time to first token less this is what the serving layer added
+        "engine_first_token_s": stats.first_token_s,
         "route_reason": d.reason,
         "costs_source": costs_source,
         "migrations": run.migrations,

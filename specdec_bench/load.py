@@ -160,6 +160,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         # its engine's decode steps by the engine's clock, and the other requests' prefills it waited for
         "decode_s": spec.get("decode_s", 0.0),
         "prefill_wait_s": spec.get("prefill_wait_s", 0.0),
+        "engine_ttft": spec.get("engine_first_token_s"),  # its engine's arrival to first token (None: a peer)
         "done": done,  # the stream ended with [DONE]
         "stream_error": stream_error,  # an error event's message
         "profile": None,  # the load's profile name, set by the caller

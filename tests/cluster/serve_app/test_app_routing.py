@@ -25,7 +25,9 @@ def test_the_first_auto_request_routes_on_the_calibrated_costs(server):
 
 
 def test_auto_speculates_single_greedy_request(client):
+    t0 = time.perf_counter()
     out = complete(client, max_tokens=32, user="regime-single")  # no speculation field: mode auto
+    elapsed = time.perf_counter() - t0
     spec = out["speculation"]
     assert (spec["pool"], spec["topology"], spec["mode"], spec["regime"]) == (
         "colocated", "colocated", "speculative", "favorable"), spec
@@ -37,6 +39,8 @@ def test_auto_speculates_single_greedy_request(client):
     # its decode steps: fewer than its tokens (it speculated), each a positive wall time
     assert 0 < spec["decode_steps"] < 32 and spec["decode_s"] > 0, spec
     assert spec["prefill_wait_s"] == 0.0, spec  # alone: no other request's prefill ran while it decoded
+    # its engine's arrival to first token: within the request's time by the client's clock, before its decode
+    assert 0 < spec["engine_first_token_s"] < elapsed - spec["decode_s"], spec
     # the same request, greedy: adaptive K changes nothing in the output
     ref = complete(client, max_tokens=32, speculation=PLAIN)
     assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
