@@ -90,10 +90,19 @@ class LoadLessons:
         taking them on a lesson of 0.33 learnt beside the load (25% of auto's requests, T=0, c=8, where
         co-located had declined 57% of its steps and auto measured 0.86x plain)."""
         lessons = {p: self._declined.get(key) for p in SPEC_TOPOLOGIES
-                   if (key := (p, StepDrift.bucket(batch), cls)) in self._declined}
+                   if (key := self._declined_key(p, StepDrift.bucket(batch), cls)) is not None}
         if not self.shared_compute or pool in lessons and pool != Pool.SEPARATE:
             return lessons.get(pool, 0.0)
         return max(lessons.values(), default=0.0)
+
+    def _declined_key(self, pool: str, bucket: int, cls: TrafficClass | None) -> tuple | None:
+        """The key of ``pool``'s lesson for ``cls`` at ``bucket``, or, where it has none there, at the nearest
+        smaller batch bucket that has one (None: neither). Speculation pays less as the batch grows, so what
+        adaptive K ran plain at a smaller batch it runs plain at this one. A closed loop at c=16 taught its
+        lessons at the whole load's mean rows, 16 (bucket 4), and priced its requests at 17-19 (bucket 5:
+        the rows that join a round's first requests): 100 of auto's 384 requests went co-located, where
+        adaptive K ran 88% of their steps plain, and auto's p99 TPOT was 1.25x plain's (AMD host, greedy)."""
+        return next((key for b in range(bucket, -1, -1) if (key := (pool, b, cls)) in self._declined), None)
 
     def learn_declined(self, pool: str, batch: float, cls: TrafficClass, window: Progress) -> None:
         """An auto request routed to speculation ran ``window``'s decode steps at a batch like ``batch`` (the
@@ -108,18 +117,23 @@ class LoadLessons:
             self._declined.update((pool, StepDrift.bucket(batch), cls), window.plain_steps / window.steps,
                                   min(1.0, window.steps / DECLINE_WINDOW_STEPS))
 
-    def waits(self, pool: str, batch: float) -> RequestWaits | None:
-        """What ``pool``'s finished requests that decoded at a batch like ``batch`` (the whole load's, on shared
+    def waits(self, pool: str, bucket: int) -> RequestWaits | None:
+        """What ``pool``'s finished requests that decoded at a batch in ``bucket`` (the whole load's, on shared
         cores) waited for besides their own steps (None: fewer than ``WAITS_MIN_REQUESTS`` measured it)."""
-        key = (pool, StepDrift.bucket(batch))
-        if self._waits.count((*key, "ttft_s")) < WAITS_MIN_REQUESTS:
+        if self._waits.count((pool, bucket, "ttft_s")) < WAITS_MIN_REQUESTS:
             return None
-        return RequestWaits(self._waits.get((*key, "ttft_s")), self._waits.get((*key, "prefill_wait_ratio")))
+        return RequestWaits(self._waits.get((pool, bucket, "ttft_s")),
+                            self._waits.get((pool, bucket, "prefill_wait_ratio")))
 
     def waits_beside_plain(self, pool: str, batch: float) -> tuple[RequestWaits, RequestWaits] | None:
-        """(the plain pool's, ``pool``'s) ``waits`` at ``batch``; None unless both are measured."""
-        plain, own = self.waits(PLAIN_POOL, batch), self.waits(pool, batch)
-        return None if plain is None or own is None else (plain, own)
+        """(the plain pool's, ``pool``'s) ``waits`` at ``batch``'s bucket, or, where either is unmeasured there,
+        at the nearest smaller bucket where both are (as ``declined`` does: the rows that join a round's first
+        requests priced a c=16 load one bucket above the one its requests taught); None where none is."""
+        for bucket in range(StepDrift.bucket(batch), -1, -1):
+            plain, own = self.waits(PLAIN_POOL, bucket), self.waits(pool, bucket)
+            if plain is not None and own is not None:
+                return plain, own
+        return None
 
     def waits_lessons(self) -> list[tuple[str, int, float, float, int]]:
         """The ``waits`` learnt: (pool, batch bucket, TTFT seconds, prefill waits per second of own steps,

@@ -295,3 +295,43 @@ def test_the_router_prices_the_whole_request_with_what_each_pools_requests_waite
     assert lessons["colocated"]["ttft_s"] == pytest.approx(0.25)
     assert lessons["colocated"]["prefill_wait_ratio"] == pytest.approx(0.3)
 
+
+def test_a_decline_learnt_at_a_batch_stands_at_larger_batches_that_have_no_lesson_of_their_own():
+    """Adaptive K ran 88% of the co-located pool's steps plain at batch 2. A request priced at batch 4 (a
+    bucket above, where its pool has no lesson) is not sent there: speculation pays less as the batch grows.
+    At batch 1, below the lesson, it is; and a lesson of batch 4's own, that its steps ran speculative, wins."""
+    cls = TrafficClass.of("d", 0.0)
+    st = route_state(costs=synthetic_costs())
+    at_4 = {**ALL, "colocated": PoolLoad(active=3), "separate": PoolLoad(replicas=0)}
+    assert route(at_4, state=st).pool == "colocated"
+    for _ in range(5):
+        st.lessons.learn_declined("colocated", 2, cls, Progress.of(served_stats(k=3, decode_steps=4, plain_decode=30)))
+    share = st.lessons.declined("colocated", 2, cls)
+    assert share > 0.5
+    assert st.lessons.declined("colocated", 4, cls) == st.lessons.declined("colocated", 64, cls) == share
+    r = route(at_4, state=st)
+    assert r.pool == "plain" and "adaptive K ran such requests plain" in r.decision.reason, r.decision
+    assert st.lessons.declined("colocated", 1, cls) == 0.0
+    assert route({**at_4, "colocated": PoolLoad()}, state=st).pool == "colocated"
+    for _ in range(10):
+        st.lessons.learn_declined("colocated", 4, cls, Progress.of(served_stats(k=2, decode_steps=20)))
+    assert st.lessons.declined("colocated", 4, cls) < 0.5 and route(at_4, state=st).pool == "colocated"
+
+
+def test_waits_priced_at_a_bucket_that_has_none_are_the_nearest_smaller_buckets_where_both_pools_measured_them():
+    """Waits learnt at batch 4 (bucket 2) price a request at batch 5-8 too, as a pair from one bucket; below
+    the lesson, or with one pool's side unmeasured, a request is priced on its decode steps alone."""
+    from deployments.load_lessons import WAITS_MIN_REQUESTS
+
+    lessons = route_state(costs=synthetic_costs()).lessons
+    stats = served_stats(k=0, decode_steps=40)
+    stats.decode_s, stats.prefill_wait_s = 1.0, 0.3
+    for _ in range(WAITS_MIN_REQUESTS):
+        lessons.learn_waits("plain", 4, 0.5, stats)
+        lessons.learn_waits("colocated", 4, 0.25, stats)
+        lessons.learn_waits("colocated", 8, 0.75, stats)  # co-located's side alone at bucket 3
+    at_4 = lessons.waits_beside_plain("colocated", 4)
+    assert at_4 is not None and (at_4[0].ttft_s, at_4[1].ttft_s) == pytest.approx((0.5, 0.25))
+    assert lessons.waits_beside_plain("colocated", 8) == at_4 == lessons.waits_beside_plain("colocated", 17)
+    assert lessons.waits_beside_plain("colocated", 2) is None
+    assert lessons.waits_beside_plain("separate", 8) is None
