@@ -75,11 +75,6 @@ SPEC_TOPOLOGIES = (Pool.COLOCATED, Pool.SEPARATE)
 PLAIN_POOL = Pool.PLAIN
 
 
-
-
-
-
-
 class RoutingError(ValueError):
     """The request's explicit routing fields are invalid or cannot be served."""
 
