@@ -7,6 +7,8 @@ response and released exactly once, also when a streaming client leaves before i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi.responses import StreamingResponse
 
 from deployments.api import APIError
@@ -27,8 +29,9 @@ class Admission:
                                 f"(max_inflight_requests={self.limit}); retry later",
                            "server_error", None, "overloaded")
 
-    def admit(self) -> Slot:
-        return Slot(self)
+    def admit(self, on_release: Callable[[], None] | None = None) -> Slot:
+        """A slot; ``on_release`` runs with its release."""
+        return Slot(self, on_release)
 
     def _add(self, n: int) -> None:
         self.inflight += n
@@ -38,8 +41,9 @@ class Admission:
 class Slot:
     """One in-flight request's place; released exactly once."""
 
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, on_release: Callable[[], None] | None = None):
         self._admission = admission
+        self._on_release = on_release
         self._released = False
         admission._add(1)
 
@@ -47,6 +51,8 @@ class Slot:
         if not self._released:
             self._released = True
             self._admission._add(-1)
+            if self._on_release is not None:
+                self._on_release()
 
     def __del__(self):  # a stream whose body never started still gives its slot back
         self.release()

@@ -59,6 +59,7 @@ class Execution:
     pool: Pool
     migrations: int = 0  # times the request moved because the replica serving it died
     realised_speedup: float | None = None
+    counted: bool = False  # in its pool's load: from ``Pools.generate`` to its last delta (``Pools.release``)
 
     @classmethod
     def of(cls, plan: Plan) -> Execution:

@@ -15,7 +15,7 @@ health probe, once a second, gets an answer from it again: Serve holds calls to 
 replica restarts (~15 s here), and a request routed there would wait that long.
 
 Load: ``active`` counts the requests this router runs in each pool (the batch the cost model
-prices). When a request ends, its stats teach the ``RouteState`` (acceptance per traffic class,
+prices), each from its plan to its last delta. When a request ends, its stats teach the ``RouteState`` (acceptance per traffic class,
 served step times) and the metrics record it.
 """
 
@@ -105,14 +105,29 @@ class Pools:
             self.down.discard(pool)
             logger.info("pool %s answers again", pool)
 
-    async def generate(self, run: Execution) -> AsyncIterator[Delta]:
-        """Deltas of one request on its pool; the pool's load counter covers its lifetime."""
-        d = run.plan.decision
+    def generate(self, run: Execution) -> AsyncIterator[Delta]:
+        """Deltas of one request on its pool. The request counts in the pool's load from this call to
+        its last delta: the next request's plan sees it also while this one's streamed response has not
+        started sending, and no longer once it finished, before the client reads ``[DONE]``. A caller
+        whose deltas may never be iterated (a stream the client left) ends the count with ``release``."""
         replicas = max(1, self.replicas[run.pool])
         joined_rows, rows_since = math.ceil((sum(self.active.values()) + 1) / replicas), self._row_clock()
         self._count(run.pool, +1, run.plan.probe)
+        run.counted = True
+        d = run.plan.decision
         self._metrics.routed(run.pool, d.k, d.regime, run.plan.requested_mode, d.predicted_speedup)
-        t0, last = time.perf_counter(), None
+        return self._deltas(run, joined_rows, rows_since)
+
+    def release(self, run: Execution) -> None:
+        """Takes ``run`` out of its pool's load (where it finished: a migrated request moved), once."""
+        if run.counted:
+            run.counted = False
+            self._count(run.pool, -1, run.plan.probe)
+
+    async def _deltas(self, run: Execution, joined_rows: int, rows_since: tuple[float, float]
+                      ) -> AsyncIterator[Delta]:
+        replicas = max(1, self.replicas[run.pool])
+        t0, last, decoded_rows = time.perf_counter(), None, None
         t_first, n_first, n_out, per_token, step_per_token = None, 0, 0, 0.0, 0.0
         taught, window_since = Progress(), rows_since  # of its decode steps, those its declined lessons counted
         try:
@@ -129,6 +144,8 @@ class Pools:
                         if step_per_token:
                             batch = (delta.stats.mean_decode_batch if delta.stats else 0.0) or run.plan.batch
                             run.realised_speedup = self._route_state.realised_speedup(batch, step_per_token)
+                        decoded_rows = self._mean_rows(rows_since) / replicas
+                        self.release(run)  # its engine dropped it from the batch
                     elif delta.progress is not None and delta.progress.steps - taught.steps >= DECLINE_WINDOW_STEPS:
                         if self._learn_declined(run, delta.progress.since(taught), window_since):
                             taught, window_since = delta.progress, self._row_clock()
@@ -136,8 +153,9 @@ class Pools:
             finally:
                 await gen.aclose()
         finally:
-            decoded_rows = self._mean_rows(rows_since) / replicas
-            self._count(run.pool, -1, run.plan.probe)  # where it finished: a migrated request moved
+            if decoded_rows is None:
+                decoded_rows = self._mean_rows(rows_since) / replicas
+            self.release(run)
             try:
                 if last is not None and last.stats is not None:
                     self._learn_declined(run, Progress.of(last.stats).since(taught), window_since)

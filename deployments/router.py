@@ -146,8 +146,10 @@ class Router:
         except APIError as exc:
             self.metrics.rejected.inc(tags={"status": str(exc.status)})
             raise
-        slot = self.admission.admit()
         run = Execution.of(plan)
+        # a stream the client leaves before its body starts never runs its deltas: the slot's release
+        # (also then) takes the request out of its pool's load too
+        slot = self.admission.admit(on_release=lambda: self.pools.release(run))
         deltas = self.pools.generate(run)
         if body.stream:
             events = responses.stream(run, deltas, self.route_state.costs_source, slot.release)

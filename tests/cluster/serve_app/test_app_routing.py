@@ -133,6 +133,39 @@ def test_auto_burst_goes_plain_in_large_batch_regime(server):
     wait_idle(server)
 
 
+def test_a_streamed_request_counts_in_its_pools_load_from_its_plan(server, client):
+    """The batch a request is planned at (``speculation.batch``) counts the requests its pool runs. A
+    streamed burst: each request sees every one planned before it, also those whose response had not
+    started sending when it was planned (counted from their first iteration, six requests planned as
+    [1, 2, 2, 2, 5, 6])."""
+    wait_idle(server)
+    replicas = client.get("/v1/regimes").json()["pools"]["plain"]["replicas"]
+    n = 6
+
+    async def streamed(ac, i):
+        body = {"model": "tiny", "prompt": f"Stream {i}: it is a truth", "max_tokens": 200,
+                "temperature": 0, "ignore_eos": True, "stream": True, "speculation": PLAIN}
+        async with ac.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [e async for e in _events(r.aiter_lines())]
+        assert events[-1] == "[DONE]"
+        return next(e["speculation"] for e in events[:-1] if e.get("speculation"))
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as ac:
+            return await asyncio.gather(*(streamed(ac, i) for i in range(n)))
+
+    planned = sorted(s["batch"] for s in asyncio.run(burst()))
+    assert planned == [-(-i // replicas) for i in range(1, n + 1)], planned
+    wait_idle(server)
+
+
+async def _events(lines):
+    async for line in lines:
+        if (e := sse_event(line)) is not None:
+            yield e
+
+
 def server_shares_cores() -> bool:
     """The app's five single-threaded engine processes outnumber this machine's CPUs."""
     return 5 > (os.cpu_count() or 1)
