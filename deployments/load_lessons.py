@@ -128,12 +128,24 @@ class LoadLessons:
     def waits_beside_plain(self, pool: str, batch: float) -> tuple[RequestWaits, RequestWaits] | None:
         """(the plain pool's, ``pool``'s) ``waits`` at ``batch``'s bucket, or, where either is unmeasured there,
         at the nearest smaller bucket where both are (as ``declined`` does: the rows that join a round's first
-        requests priced a c=16 load one bucket above the one its requests taught); None where none is."""
+        requests priced a c=16 load one bucket above the one its requests taught); None where none is. A
+        speculative pool's side, unmeasured, is the other speculative pool's (``_speculative_waits``)."""
         for bucket in range(StepDrift.bucket(batch), -1, -1):
-            plain, own = self.waits(PLAIN_POOL, bucket), self.waits(pool, bucket)
+            plain, own = self.waits(PLAIN_POOL, bucket), self._speculative_waits(pool, bucket)
             if plain is not None and own is not None:
                 return plain, own
         return None
+
+    def _speculative_waits(self, pool: str, bucket: int) -> RequestWaits | None:
+        """``pool``'s ``waits``; for a speculative pool that has none at ``bucket``, the other's there: the same
+        prefills of the same target. Priced on its decode steps alone beside a pool priced with its waits, the
+        unmeasured pool looked faster for want of a lesson: the separate topology took a c=16 round's first
+        request at 1.9x where co-located's TTFT priced co-located lower, and the round followed it there (auto's
+        p99 TPOT 1.44x plain's)."""
+        own = self.waits(pool, bucket)
+        if own is not None or pool not in SPEC_TOPOLOGIES:
+            return own
+        return next((w for other in SPEC_TOPOLOGIES if other != pool and (w := self.waits(other, bucket))), None)
 
     def waits_lessons(self) -> list[tuple[str, int, float, float, int]]:
         """The ``waits`` learnt: (pool, batch bucket, TTFT seconds, prefill waits per second of own steps,

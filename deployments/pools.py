@@ -15,8 +15,8 @@ health probe, once a second, gets an answer from it again: Serve holds calls to 
 replica restarts (~15 s here), and a request routed there would wait that long.
 
 Load: ``active`` counts the requests this router runs in each pool (the batch the cost model
-prices), each from its plan to its last delta. When a request ends, its stats teach the ``RouteState`` (acceptance per traffic class,
-served step times) and the metrics record it.
+prices), each from its plan to its last delta. When a request ends, its stats teach the
+``RouteState`` (acceptance per traffic class, served step times) and the metrics record it.
 """
 
 from __future__ import annotations

@@ -296,6 +296,23 @@ def test_the_router_prices_the_whole_request_with_what_each_pools_requests_waite
     assert lessons["colocated"]["prefill_wait_ratio"] == pytest.approx(0.3)
 
 
+def test_a_pool_that_never_measured_its_waits_does_not_win_a_request_for_want_of_them():
+    """A lone request: co-located pays 1.38x on its decode steps, and both it and plain have measured their
+    waits (co-located's TTFT the longer), so co-located's whole request is priced below its steps. The
+    separate topology, the same steps and no waits measured, is priced with co-located's waits, not on its
+    steps alone (where it won the request at 1.38x)."""
+    from deployments.load_lessons import WAITS_MIN_REQUESTS
+
+    st = route_state(costs=synthetic_costs())
+    stats = served_stats(k=0, decode_steps=40)
+    stats.decode_s = 1.0
+    for _ in range(WAITS_MIN_REQUESTS):
+        st.lessons.learn_waits("plain", 1, 0.1, stats)
+        st.lessons.learn_waits("colocated", 1, 0.2, stats)
+    r = route(state=st)
+    assert r.pool == "colocated" and 1.05 < r.decision.predicted_speedup < 1.3, r.decision
+
+
 def test_a_decline_learnt_at_a_batch_stands_at_larger_batches_that_have_no_lesson_of_their_own():
     """Adaptive K ran 88% of the co-located pool's steps plain at batch 2. A request priced at batch 4 (a
     bucket above, where its pool has no lesson) is not sent there: speculation pays less as the batch grows.
@@ -334,4 +351,24 @@ def test_waits_priced_at_a_bucket_that_has_none_are_the_nearest_smaller_buckets_
     assert at_4 is not None and (at_4[0].ttft_s, at_4[1].ttft_s) == pytest.approx((0.5, 0.25))
     assert lessons.waits_beside_plain("colocated", 8) == at_4 == lessons.waits_beside_plain("colocated", 17)
     assert lessons.waits_beside_plain("colocated", 2) is None
-    assert lessons.waits_beside_plain("separate", 8) is None
+
+
+def test_a_speculative_pool_whose_waits_are_unmeasured_is_priced_with_the_other_speculative_pools():
+    """The separate topology, its waits unmeasured, is priced with co-located's at the same bucket (the same
+    prefills of the same target), and its own once it measured them; the plain pool's side is never borrowed."""
+    from deployments.load_lessons import WAITS_MIN_REQUESTS
+
+    lessons = route_state(costs=synthetic_costs()).lessons
+    stats = served_stats(k=0, decode_steps=40)
+    stats.decode_s, stats.prefill_wait_s = 1.0, 0.3
+    for _ in range(WAITS_MIN_REQUESTS):
+        lessons.learn_waits("colocated", 4, 0.25, stats)
+    assert lessons.waits_beside_plain("separate", 4) is None  # plain's side unmeasured
+    for _ in range(WAITS_MIN_REQUESTS):
+        lessons.learn_waits("plain", 4, 0.5, stats)
+    borrowed = lessons.waits_beside_plain("separate", 4)
+    assert borrowed == lessons.waits_beside_plain("colocated", 4)
+    assert borrowed[1].ttft_s == pytest.approx(0.25)
+    for _ in range(WAITS_MIN_REQUESTS):
+        lessons.learn_waits("separate", 4, 0.4, stats)
+    assert lessons.waits_beside_plain("separate", 4)[1].ttft_s == pytest.approx(0.4)
