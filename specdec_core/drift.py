@@ -46,10 +46,10 @@ class StepDrift:
     factors' differences change a decision, so they apply once plain steps and one speculative kind
     have been seen ``min_steps`` times in the bucket (a drift learnt on one side alone would make
     that side look cheaper than the other for no measured reason); a speculative kind not yet
-    measured takes the other's factor. Steps off by more than ``bounds`` are not drift but a
-    calibration of other hardware (or a synthetic one): while they are more than a tenth of a
-    bucket's recent steps, the bucket keeps the calibration as it is. Recent, not all: a served
-    replica's first requests (cold start, warm-up stalls) are outliers too, and must not switch the
+    measured takes the other's factor where that makes it dearer (``_borrowed``). Steps off by more
+    than ``bounds`` are not drift but a calibration of other hardware (or a synthetic one): while they
+    are more than a tenth of a bucket's recent steps, the bucket keeps the calibration as it is. Recent,
+    not all: a served replica's first requests (cold start, warm-up stalls) are outliers too, and must not switch the
     correction off for the replica's life.
 
     The speculative kinds are learnt relative to plain steps: each one's measured / calibrated over the
@@ -62,7 +62,8 @@ class StepDrift:
     K=2 measured 1.24x. Relative, a phase moves every kind with plain.
 
     Co-located speculative steps are also learnt by draft depth (the step's largest K, bucketed in
-    powers of two), and a depth seen ``min_steps`` times prices with its own factor: one factor for every
+    powers of two), and a depth seen ``min_steps`` times prices with its own factor (an unseen one with all
+    depths', where that makes it dearer): one factor for every
     K let the calibration's error at one depth price every other. On a host whose draft forwards ran
     slower than calibrated beyond the first (batch 4: K=1 steps at 1.01x their price, K=2 at 1.07-1.11x,
     K=3-4 at 1.1-1.4x), the planner's deep plans were priced by the shallow steps' factor, went to a mean K
@@ -103,9 +104,9 @@ class StepDrift:
             # unmeasured, its rounds are the co-located steps of their depth plus hops: priced with all co-located
             # steps' factor, a separate K=1 round looked cheaper than a co-located K=1 step (1.08 against 1.52, served
             # family, batch 8), and took a quarter of auto's requests there
-            return d.plain * (d.separate if separate else self._colocated(d, k))
+            return d.plain * (d.separate if separate else _borrowed(self._colocated(d, k)))
         if not colocated:
-            return d.plain * d.separate
+            return d.plain * _borrowed(d.separate)
         return d.plain * self._colocated(d, k)
 
     def _learnt(self, batch: float) -> _Drift | None:
@@ -129,9 +130,10 @@ class StepDrift:
         return None
 
     def _colocated(self, d: _Drift, k: int) -> float:
-        """Co-located steps' factor relative to plain at K=``k``: its depth's own, once measured, else all depths'."""
+        """Co-located steps' factor relative to plain at K=``k``: its depth's own, once measured, else all
+        depths' (``_borrowed``)."""
         depth = self.depth(k)
-        return d.by_depth[depth] if d.depth_steps.get(depth, 0) >= self.min_steps else d.spec
+        return d.by_depth[depth] if d.depth_steps.get(depth, 0) >= self.min_steps else _borrowed(d.spec)
 
     def measured(self, batch: float, kind: str) -> bool:
         """Have served steps of ``kind`` ("plain", "colocated", "separate") been seen ``min_steps``
@@ -219,6 +221,14 @@ class StepDrift:
     def _toward(self, factor: float, ratio: float, n: int) -> float:
         """A factor after its n-th observation: the plain mean of the first 1 / weight, a moving average after."""
         return factor + max(self.weight, 1.0 / n) * (ratio - factor)
+
+
+def _borrowed(factor: float) -> float:
+    """A factor learnt on other steps (another depth, the other topology), as it prices steps not measured: where
+    it makes them dearer. Cheaper needs their own steps: served K=4 steps at batch 9-16 ran 0.83x their price
+    relative to plain, and K=1-2 steps priced with it there looked 1.2-1.5x plain; auto sent a c=16 load at T=1
+    to them while co-located measured 0.79x plain (p99 TPOT 1.35x plain's)."""
+    return max(1.0, factor)
 
 
 # A step kind's factor and count in a `_Drift`.

@@ -105,8 +105,8 @@ def test_a_phase_of_the_host_moves_every_kind_of_step_with_plain():
 
 def test_drift_is_learnt_per_topology():
     """Separate rounds measured 0.7x their calibrated price, co-located steps as calibrated: the
-    separate topology's price drops and only its; before co-located steps are measured, both
-    speculative kinds take the one measured factor; plain steps alone change nothing."""
+    separate topology's price drops and only its; before co-located steps are measured, they keep
+    their calibrated price (a borrowed factor only makes steps dearer); plain steps alone change nothing."""
     drift = StepDrift()
     cm = CostModel(leviathan_costs(0.2), drift=drift)
     for _ in range(30):
@@ -115,7 +115,7 @@ def test_drift_is_learnt_per_topology():
     for _ in range(30):
         drift.observe(2, 0.7, 1.0, batch=1, topology="separate")
     assert drift.measured(1, "separate") and not drift.measured(1, "colocated")
-    assert drift.factor(2, 1, "separate") == pytest.approx(0.7) and drift.factor(2, 1) == pytest.approx(0.7)
+    assert drift.factor(2, 1, "separate") == pytest.approx(0.7) and drift.factor(2, 1) == 1.0
     for _ in range(30):
         drift.observe(2, 1.0, 1.0, batch=1)
     assert drift.factor(2, 1, "separate") == pytest.approx(0.7) and drift.factor(2, 1) == pytest.approx(1.0)
@@ -169,3 +169,18 @@ def test_a_batch_no_step_has_run_at_is_priced_with_the_adjacent_buckets_factors(
     for _ in range(30):
         drift.observe(0, 10.0, 1.0, batch=32)  # batch 17-32 ran on other hardware: its own steps say so
     assert drift.factor(2, 20) == drift.factor(0, 20) == 1.0
+
+
+def test_a_factor_learnt_on_other_steps_prices_unmeasured_steps_only_where_it_makes_them_dearer():
+    """K=4 co-located steps at batch 16 ran 0.8x their price relative to plain: K=1 and K=2 steps there, and the
+    separate topology's unmeasured rounds, keep their calibrated price (served, K=1-2 priced with K=4's factor
+    looked 1.2-1.5x plain where co-located ran 0.79x). Where K=4 ran 1.3x, every unmeasured depth and the
+    separate rounds are priced 1.3x too."""
+    for ratio, unmeasured in ((0.8, 1.0), (1.3, 1.3)):
+        drift = StepDrift()
+        for _ in range(30):
+            drift.observe(0, 1.0, 1.0, batch=16)
+            drift.observe(4, ratio, 1.0, batch=16)
+        assert drift.factor(4, 16) == pytest.approx(ratio)
+        assert drift.factor(1, 16) == drift.factor(2, 16) == pytest.approx(unmeasured)
+        assert drift.factor(4, 16, "separate") == drift.factor(1, 16, "separate") == pytest.approx(unmeasured)
