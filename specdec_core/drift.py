@@ -49,8 +49,8 @@ class StepDrift:
     measured takes the other's factor where that makes it dearer (``_borrowed``). Steps off by more
     than ``bounds`` are not drift but a calibration of other hardware (or a synthetic one): while they
     are more than a tenth of a bucket's recent steps, the bucket keeps the calibration as it is. Recent,
-    not all: a served replica's first requests (cold start, warm-up stalls) are outliers too, and must not switch the
-    correction off for the replica's life.
+    not all: a served replica's first requests (cold start, warm-up stalls) are outliers too, and must
+    not switch the correction off for the replica's life.
 
     The speculative kinds are learnt relative to plain steps: each one's measured / calibrated over the
     plain factor of that moment, priced at plain * that (before the bucket has ``min_steps`` plain steps,
@@ -63,11 +63,11 @@ class StepDrift:
 
     Co-located speculative steps are also learnt by draft depth (the step's largest K, bucketed in
     powers of two), and a depth seen ``min_steps`` times prices with its own factor (an unseen one with all
-    depths', where that makes it dearer): one factor for every
-    K let the calibration's error at one depth price every other. On a host whose draft forwards ran
-    slower than calibrated beyond the first (batch 4: K=1 steps at 1.01x their price, K=2 at 1.07-1.11x,
-    K=3-4 at 1.1-1.4x), the planner's deep plans were priced by the shallow steps' factor, went to a mean K
-    of 4.4 where K=1 was best, and measured 0.78x of it.
+    depths', where that makes it dearer): one factor for every K let the calibration's error at one depth
+    price every other. On a host whose draft forwards ran slower than calibrated beyond the first (batch
+    4: K=1 steps at 1.01x their price, K=2 at 1.07-1.11x, K=3-4 at 1.1-1.4x), the planner's deep plans
+    were priced by the shallow steps' factor, went to a mean K of 4.4 where K=1 was best, and measured
+    0.78x of it.
     """
 
     weight: float = 0.05  # per observed step
