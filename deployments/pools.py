@@ -116,7 +116,7 @@ class Pools:
         run.counted = True
         d = run.plan.decision
         self._metrics.routed(run.pool, d.k, d.regime, run.plan.requested_mode, d.predicted_speedup)
-        return self._deltas(run, joined_rows, rows_since)
+        return self._deltas(run, replicas, joined_rows, rows_since)
 
     def release(self, run: Execution) -> None:
         """Takes ``run`` out of its pool's load (where it finished: a migrated request moved), once."""
@@ -124,9 +124,8 @@ class Pools:
             run.counted = False
             self._count(run.pool, -1, run.plan.probe)
 
-    async def _deltas(self, run: Execution, joined_rows: int, rows_since: tuple[float, float]
+    async def _deltas(self, run: Execution, replicas: int, joined_rows: int, rows_since: tuple[float, float]
                       ) -> AsyncIterator[Delta]:
-        replicas = max(1, self.replicas[run.pool])
         t0, last, decoded_rows = time.perf_counter(), None, None
         t_first, n_first, n_out, per_token, step_per_token = None, 0, 0, 0.0, 0.0
         taught, window_since = Progress(), rows_since  # of its decode steps, those its declined lessons counted

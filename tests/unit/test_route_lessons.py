@@ -337,7 +337,7 @@ def test_a_decline_learnt_at_a_batch_stands_at_larger_batches_that_have_no_lesso
 
 def test_waits_priced_at_a_bucket_that_has_none_are_the_nearest_smaller_buckets_where_both_pools_measured_them():
     """Waits learnt at batch 4 (bucket 2) price a request at batch 5-8 too, as a pair from one bucket; below
-    the lesson, or with one pool's side unmeasured, a request is priced on its decode steps alone."""
+    the lesson, or with plain's side unmeasured, a request is priced on its decode steps alone."""
     from deployments.load_lessons import WAITS_MIN_REQUESTS
 
     lessons = route_state(costs=synthetic_costs()).lessons
